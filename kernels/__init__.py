@@ -1,0 +1,63 @@
+"""attnserve kernels: exact attention, O = softmax(Q Kᵀ · scale + mask) V, without an N×N matrix.
+
+    from kernels import attention
+    o = attention(q, k, v, causal=False, scale=None, kv_lengths=None, return_lse=False, kernel="auto")
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import KERNELS, choose
+from .errors import (
+    AttentionInputError,
+    DeviceMismatchError,
+    DTypeError,
+    HeadDimError,
+    KernelUnavailableError,
+    KVLengthsError,
+    ShapeError,
+)
+from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnSpec, check_inputs
+
+__all__ = [
+    "KERNELS",
+    "MAX_HEAD_DIM",
+    "SUPPORTED_DTYPES",
+    "AttentionInputError",
+    "AttnSpec",
+    "DTypeError",
+    "DeviceMismatchError",
+    "HeadDimError",
+    "KVLengthsError",
+    "KernelUnavailableError",
+    "ShapeError",
+    "attention",
+    "check_inputs",
+    "choose",
+]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    return_lse: bool = False,
+    kernel: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact scaled-dot-product attention.
+
+    q: (batch, heads_q, seqlen_q, headdim); k, v: (batch, heads_kv, seqlen_k, headdim), with
+    heads_q % heads_kv == 0 (GQA/MQA). causal is bottom-right aligned (query i sees key j iff
+    j <= i + seqlen_k - seqlen_q); kv_lengths (batch,) masks keys at positions >= kv_lengths[b].
+    Returns o (batch, heads_q, seqlen_q, headdim) in q's dtype, and with return_lse also the
+    float32 natural-log logsumexp (batch, heads_q, seqlen_q). Rows that see no key give o = 0 and
+    lse = -inf.
+    """
+    spec = check_inputs(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+    impl = choose(spec, kernel)
+    o, lse = impl.forward(q, k, v, causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,108 @@
+"""Input validation: one place that turns (q, k, v, kv_lengths) into a checked ``AttnSpec``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DeviceMismatchError, DTypeError, HeadDimError, KVLengthsError, ShapeError
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """The checked problem: q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    causal: bool
+    scale: float
+    has_kv_lengths: bool
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 = MHA, Hq = MQA)."""
+        return self.heads_q // self.heads_kv
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    allow_float64: bool = False,
+) -> AttnSpec:
+    """Validate q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) and kv_lengths (B,) int32/int64.
+
+    Raises a subclass of ``AttentionInputError`` whose message names the offending argument.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must have 4 dims [B, H, N, D], got shape {list(t.shape)}")
+    allowed = SUPPORTED_DTYPES + ((torch.float64,) if allow_float64 else ())
+    if q.dtype not in allowed:
+        raise DTypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise DTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise DeviceMismatchError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, hq, nq, d = q.shape
+    bk, hkv, nk, dk = k.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ShapeError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    if bk != b:
+        raise ShapeError(f"q has batch {b} but k/v have batch {bk}")
+    if dk != d:
+        raise ShapeError(f"q has head dim {d} but k/v have head dim {dk}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise HeadDimError(f"head dim {d} is not supported; it must be between 1 and {MAX_HEAD_DIM}")
+    if b < 1 or hq < 1 or hkv < 1 or nq < 1 or nk < 1:
+        raise ShapeError(
+            f"every dim must be at least 1, got q {list(q.shape)}, k {list(k.shape)}"
+        )
+    if hq % hkv != 0:
+        raise ShapeError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA"
+        )
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ShapeError(f"scale must be a finite number, got {scale!r}")
+    if kv_lengths is not None:
+        if not isinstance(kv_lengths, torch.Tensor):
+            raise KVLengthsError("kv_lengths must be a tensor of shape [B]")
+        if kv_lengths.dim() != 1 or kv_lengths.shape[0] != b:
+            raise KVLengthsError(f"kv_lengths must have shape [{b}], got {list(kv_lengths.shape)}")
+        if kv_lengths.dtype not in (torch.int32, torch.int64):
+            raise KVLengthsError(f"kv_lengths must be int32 or int64, got {kv_lengths.dtype}")
+        if kv_lengths.device != q.device:
+            raise DeviceMismatchError(f"kv_lengths is on {kv_lengths.device} but q is on {q.device}")
+        lo, hi = int(kv_lengths.min()), int(kv_lengths.max())
+        if lo < 0 or hi > nk:
+            raise KVLengthsError(f"kv_lengths must lie in [0, {nk}] (Nk), got values in [{lo}, {hi}]")
+    return AttnSpec(
+        batch=b,
+        heads_q=hq,
+        heads_kv=hkv,
+        n_q=nq,
+        n_k=nk,
+        head_dim=d,
+        dtype=q.dtype,
+        device=q.device,
+        causal=bool(causal),
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
+        has_kv_lengths=kv_lengths is not None,
+    )

@@ -1,0 +1,80 @@
+"""Tensor <-> bytes conversions shared by every transport: dtype names of the native API, of the
+Open Inference Protocol, and raw little-endian row-major buffers. No transport logic here.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+from .errors import BadRequest, PayloadTooLarge
+
+# native API (JSON "dtype", safetensors, attention.v1 DType enum names lower-cased)
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+# Open Inference Protocol (KServe v2) datatypes
+OIP_DTYPES: dict[str, torch.dtype] = {
+    "FP16": torch.float16,
+    "BF16": torch.bfloat16,
+    "FP32": torch.float32,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+}
+OIP_NAMES: dict[torch.dtype, str] = {v: k for k, v in OIP_DTYPES.items()}
+
+
+def dtype_from_name(name: str, table: dict[str, torch.dtype] = DTYPES) -> torch.dtype:
+    try:
+        return table[name]
+    except KeyError:
+        raise BadRequest(f"unsupported dtype {name!r}; use one of {', '.join(table)}") from None
+
+
+def tensor_from_bytes(data: bytes | bytearray | memoryview, shape: list[int], dtype: torch.dtype,
+                      name: str = "tensor") -> torch.Tensor:
+    """Little-endian row-major bytes -> tensor of ``shape`` (zero-copy view where the buffer allows).
+
+    The result may share memory with ``data`` (read-only buffers give a tensor that must not be
+    written in place; the kernels never do).
+    """
+    if any((not isinstance(d, int)) or d < 0 for d in shape):
+        raise BadRequest(f"{name}: shape must be a list of non-negative integers, got {shape}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(data) != numel * itemsize:
+        raise BadRequest(
+            f"{name}: {len(data)} bytes do not match shape {shape} of {DTYPE_NAMES.get(dtype, dtype)} "
+            f"({numel * itemsize} bytes expected)"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # read-only request bytes: the kernels never write inputs
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(memoryview(data), dtype=dtype)
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        t = t.byteswap()
+    return t.view(shape)
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """Tensor -> little-endian row-major bytes (one copy, from a contiguous CPU tensor)."""
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().tobytes()
+    return t.numpy().tobytes()
+
+
+def check_tensor_bytes(nbytes: int, limit: int, name: str) -> None:
+    if nbytes > limit:
+        raise PayloadTooLarge(f"{name} is {nbytes / 2**20:.1f} MiB, over the limit of {limit / 2**20:.0f} MiB")

@@ -1,0 +1,71 @@
+"""Domain exceptions of the service. Transports map them to status codes in one place each:
+HTTP by ``http_status``, gRPC by ``grpc_code`` (names of ``grpc.StatusCode``), per API.md §7.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base: ``message`` is what a person reads; ``code`` is a stable machine-readable name."""
+
+    http_status = 500
+    grpc_code = "INTERNAL"
+    code = "internal"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class BadRequest(ServiceError):
+    """Malformed body, missing tensor, bad or unknown option."""
+
+    http_status, grpc_code, code = 400, "INVALID_ARGUMENT", "bad_request"
+
+
+class UnsupportedMediaType(ServiceError):
+    http_status, grpc_code, code = 415, "INVALID_ARGUMENT", "unsupported_media_type"
+
+
+class InvalidInput(ServiceError):
+    """Shapes or dtypes inconsistent, head dim > 256, wrong hidden size."""
+
+    http_status, grpc_code, code = 422, "INVALID_ARGUMENT", "invalid_input"
+
+
+class NotFound(ServiceError):
+    """Unknown layer or model."""
+
+    http_status, grpc_code, code = 404, "NOT_FOUND", "not_found"
+
+
+class PayloadTooLarge(ServiceError):
+    """Body or tensor over the configured limit, or more memory than a worker may use."""
+
+    http_status, grpc_code, code = 413, "RESOURCE_EXHAUSTED", "payload_too_large"
+
+
+class QueueFull(ServiceError):
+    """Backpressure: the bounded queue is full; retry after ``retry_after_s``."""
+
+    http_status, grpc_code, code = 429, "RESOURCE_EXHAUSTED", "queue_full"
+
+
+class Unavailable(ServiceError):
+    """Not ready, draining, or the device ran out of memory."""
+
+    http_status, grpc_code, code = 503, "UNAVAILABLE", "unavailable"
+
+
+class DeadlineExceeded(ServiceError):
+    http_status, grpc_code, code = 504, "DEADLINE_EXCEEDED", "deadline_exceeded"
+
+
+class Unauthenticated(ServiceError):
+    http_status, grpc_code, code = 401, "UNAUTHENTICATED", "unauthenticated"
+
+
+def from_kernel_error(exc: ValueError) -> ServiceError:
+    """A ``kernels.AttentionInputError`` becomes a 422 with the kernel's own message."""
+    return InvalidInput(str(exc))

@@ -1,0 +1,90 @@
+"""One ``Settings`` object, built once at start-up from CLI flags and ``ATTNSERVE_*`` variables.
+
+Precedence: command-line flag > environment variable > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="forbid")
+
+    host: str = Field("0.0.0.0", description="address to bind HTTP and gRPC to")
+    http_port: int = Field(8000, description="HTTP port (FastAPI: native API, Open Inference Protocol, health, metrics)")
+    grpc_port: int = Field(8001, description="gRPC port (attention.v1 and inference.GRPCInferenceService); 0 disables")
+    device: str = Field(
+        "auto", description="'auto' (every visible GPU, else the CPU), 'cpu', 'cuda', or a list such as 'cuda:0,cuda:1'"
+    )
+    layer: list[str] = Field(
+        default_factory=list,
+        description="model layer to serve, NAME=DIR:INDEX (a Hugging Face checkpoint folder and a layer index); repeatable",
+    )
+    layer_dtype: str | None = Field(
+        None, description="dtype for layer weights (float16, bfloat16, float32); default: the checkpoint's"
+    )
+    batching: bool = Field(True, description="group compatible requests into one launch (off: one launch per request)")
+    max_batch_tokens: int = Field(
+        65536, description="a batch launches once its requests hold this many query tokens (B·Nq summed)"
+    )
+    max_queue_delay_ms: float = Field(
+        2.0, description="while every worker is busy, the longest the oldest queued request waits to gather a batch"
+    )
+    max_queue_size: int = Field(1024, description="requests held (queued or running) before new ones get 429")
+    max_body_mb: float = Field(1024.0, description="largest request body (HTTP) or message (gRPC), in MiB")
+    request_timeout_ms: float = Field(
+        60000.0, description="default deadline of a request; X-Request-Timeout-Ms or a gRPC deadline overrides it"
+    )
+    api_key: str | None = Field(
+        None, description="if set, every call except health probes needs 'Authorization: Bearer KEY' or 'X-API-Key'"
+    )
+    warmup_shapes: str = Field(
+        "1x8x128x64,1x8x1024x64,1x32x1024x128",
+        description="shapes BxHxNxD compiled and warmed per worker at start-up (comma-separated)",
+    )
+    warmup_dtypes: str = Field("float16,bfloat16", description="dtypes warmed at start-up on GPUs")
+    memory_fraction: float = Field(
+        0.9, description="share of a GPU's memory a worker may plan to use; bigger requests are refused (413)"
+    )
+    log_level: str = Field("info", description="logging level")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per ``Settings`` field; every default comes from Settings."""
+    parser = argparse.ArgumentParser(
+        prog="python -m service",
+        description="attnserve: exact attention served over HTTP (FastAPI) and gRPC. "
+        "Every option also reads an ATTNSERVE_<NAME> environment variable (e.g. ATTNSERVE_HTTP_PORT).",
+    )
+    for name, field in Settings.model_fields.items():
+        env = f"ATTNSERVE_{name.upper()}"
+        help_text = f"{field.description} [env {env}; default {field.get_default(call_default_factory=True)!r}]"
+        if name == "layer":
+            parser.add_argument(_flag(name), action="append", default=None, metavar="NAME=DIR:INDEX", help=help_text)
+        elif field.annotation is bool:
+            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(_flag(name), default=None, help=help_text)
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None, **overrides: Any) -> Settings:
+    """Parse ``argv`` (flags win over ATTNSERVE_* variables) and build the one Settings object."""
+    args = vars(build_parser().parse_args(argv if argv is not None else []))
+    given = {k: v for k, v in args.items() if v is not None}
+    given.update(overrides)
+    return Settings(**given)

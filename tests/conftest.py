@@ -1,0 +1,108 @@
+"""Shared test fixtures: GPU skipping, and a real server process on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_CUDA = torch.cuda.is_available()
+
+# Triton's interpreter is chosen when a kernel module is imported: set it before any test imports one.
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def run_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+               wait_ready: bool = True, timeout: float = 120.0) -> Iterator[ServerProcess]:
+    """Start ``python -m service`` on free ports (CPU unless args say otherwise); stop it after."""
+    http_port, grpc_port = free_port(), free_port()
+    log_path = tmp_path / f"server-{http_port}.log"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+    full_env.pop("TRITON_INTERPRET", None)  # the server uses the CPU path unless a test asks
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(http_port),
+           "--grpc-port", str(grpc_port), *args]
+    if "--device" not in args:
+        cmd += ["--device", "cpu"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, http_port, grpc_port, log_path)
+    try:
+        if wait_ready:
+            _wait_ready(server, timeout)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(server: ServerProcess, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + "/readyz", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
+
+
+@pytest.fixture(scope="module")
+def cpu_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """One real CPU server per test module (default options)."""
+    with run_server(tmp_path_factory.mktemp("server")) as server:
+        yield server
