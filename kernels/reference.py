@@ -77,7 +77,7 @@ def blockwise_attention(
     causal: bool,
     scale: float,
     kv_lengths: torch.Tensor | None = None,
-    max_block_elems: int = 1 << 24,
+    max_block_elems: int = 1 << 22,
     block_k: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The seed's tiling + online softmax in PyTorch: never holds more than one S block.

@@ -1,0 +1,64 @@
+"""Prometheus metrics of the engine, in the spirit of Triton's ``nv_inference_*`` family.
+
+The engine owns one ``CollectorRegistry`` (``engine.metrics_registry``); the HTTP ``/metrics`` route
+renders it with ``prometheus_client.generate_latest(engine.metrics_registry)``. A private registry
+(not the global one) keeps several engines in one process (tests) from colliding.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0, 30.0, 60.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    """Every series the engine exports. ``kind`` is ``attention`` or ``layer``; ``device`` e.g. ``cuda:0``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.success = Counter(
+            "attnserve_inference_request_success", "Requests answered successfully", ["kind"], registry=r)
+        self.failure = Counter(
+            "attnserve_inference_request_failure", "Requests that failed, by error code (API.md §7)",
+            ["kind", "reason"], registry=r)
+        self.queue_depth = Gauge(
+            "attnserve_inference_queue_depth", "Requests waiting in the batcher (not yet launched)", registry=r)
+        self.pending = Gauge(
+            "attnserve_inference_pending_requests", "Requests held: queued or running (bounded by --max-queue-size)",
+            registry=r)
+        self.queue_duration = Histogram(
+            "attnserve_inference_queue_duration_seconds", "Time from arrival to launch", ["kind"],
+            buckets=_TIME_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "attnserve_inference_request_duration_seconds", "Time from arrival to answer, in the engine",
+            ["kind"], buckets=_TIME_BUCKETS, registry=r)
+        self.compute_duration = Histogram(
+            "attnserve_inference_compute_duration_seconds",
+            "Time of one launch on a worker: host->device copy, kernel, device->host copy", ["device"],
+            buckets=_TIME_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "attnserve_inference_batch_size", "Requests per launch", ["device"], buckets=_BATCH_BUCKETS, registry=r)
+        self.exec_count = Counter(
+            "attnserve_inference_exec", "Launches (batches) run", ["device"], registry=r)
+        self.oom_splits = Counter(
+            "attnserve_inference_oom_split", "Batches split in two after a device out-of-memory", ["device"],
+            registry=r)
+        self.memory_used = Gauge(
+            "attnserve_gpu_memory_used_bytes", "Device memory held by tensors (torch.cuda.memory_allocated)",
+            ["device"], registry=r)
+        self.memory_total = Gauge(
+            "attnserve_gpu_memory_total_bytes", "Device memory of the card", ["device"], registry=r)
+        self.ready = Gauge("attnserve_ready", "1 when every worker is warm and the engine is not draining",
+                           registry=r)
+
+    def track_device_memory(self, device: str) -> None:
+        """Sample a CUDA device's memory at each scrape (no polling thread)."""
+        import torch
+
+        index = torch.device(device).index or 0
+        self.memory_used.labels(device).set_function(lambda: torch.cuda.memory_allocated(index))
+        self.memory_total.labels(device).set(torch.cuda.get_device_properties(index).total_memory)

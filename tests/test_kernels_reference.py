@@ -1,0 +1,173 @@
+"""The PyTorch reference and the exact CPU path against an independent float64 computation,
+every validation error, and the CPU path's memory bound."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kernels
+from kernels.reference import blockwise_attention, reference_attention
+from tests.reference64 import attention64
+
+# (B, Hq, Hkv, Nq, Nk, D): why each is awkward
+SHAPES = [
+    (1, 1, 1, 1, 1, 1),  # the smallest problem: one query, one key, D = 1
+    (2, 4, 4, 17, 17, 40),  # odd length, D not a power of two
+    (1, 8, 2, 97, 97, 59),  # GQA 4:1, prime length, odd D
+    (2, 5, 1, 33, 97, 72),  # MQA, Nq < Nk (bottom-right causal shifts right)
+    (1, 2, 1, 97, 33, 111),  # Nq > Nk: causal leaves the first rows with no key
+    (1, 2, 2, 1, 1025, 256),  # decode-like: one query over a long cache, largest D
+    (1, 1, 1, 1025, 1025, 64),  # one past a power-of-two block
+]
+
+
+def _inputs(shape, dtype=torch.float32, seed=0):
+    b, hq, hkv, nq, nk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _lengths(shape, seed=0):
+    b, nk = shape[0], shape[4]
+    g = torch.Generator().manual_seed(seed + 1)
+    lens = torch.randint(0, nk + 1, (b,), generator=g, dtype=torch.int32)
+    lens[0] = 0 if b > 1 else max(1, nk // 2)  # one batch entry with every key masked
+    return lens
+
+
+def _rel(a, ref):
+    a, ref = a.double(), ref.double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("impl", [reference_attention, blockwise_attention], ids=["reference", "blockwise"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_float64(impl, shape, causal, masked):
+    q, k, v = _inputs(shape)
+    lens = _lengths(shape) if masked else None
+    scale = 0.37
+    kwargs = {"block_k": 16, "max_block_elems": 4096} if impl is blockwise_attention else {}
+    o, lse = impl(q, k, v, causal=causal, scale=scale, kv_lengths=lens, **kwargs)
+    o64, lse64 = attention64(q, k, v, causal=causal, scale=scale, kv_lengths=lens)
+    assert o.dtype == q.dtype and o.shape == q.shape[:3] + (v.shape[-1],)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse64)), "rows with no visible key must give lse = -inf"
+    assert (o[torch.isinf(lse)] == 0).all(), "rows with no visible key must give o = 0"
+    assert _rel(o, o64) < 1e-5
+    finite = torch.isfinite(lse64)
+    assert torch.allclose(lse[finite].double(), lse64[finite], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("impl", [reference_attention, blockwise_attention], ids=["reference", "blockwise"])
+def test_low_precision_within_budget_of_plain_pytorch(dtype, impl):
+    """Error budget relative to PyTorch's own attention computed in the same dtype (STYLE §11)."""
+    shape = (2, 4, 2, 97, 97, 72)
+    q, k, v = _inputs(shape, dtype)
+    o, _ = impl(q, k, v, causal=True, scale=72**-0.5)
+    o64, _ = attention64(q, k, v, causal=True)
+    kr = k.repeat_interleave(2, dim=1)
+    vr = v.repeat_interleave(2, dim=1)
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        q, kr, vr, attn_mask=torch.ones(97, 97, dtype=torch.bool).tril()
+    )
+    assert _rel(o, o64) <= 2 * _rel(plain, o64) + 1e-4
+
+
+def test_public_api_defaults_and_lse(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # auto -> the CPU path
+    q, k, v = _inputs((2, 4, 2, 17, 33, 40))
+    o = kernels.attention(q, k, v)
+    o2, lse = kernels.attention(q, k, v, return_lse=True)
+    o64, lse64 = attention64(q, k, v)
+    assert torch.equal(o, o2)
+    assert _rel(o, o64) < 1e-5 and _rel(lse, lse64) < 1e-5
+
+
+def test_reference_supports_autograd():
+    q, k, v = (t.double().requires_grad_() for t in _inputs((1, 4, 2, 9, 13, 8)))
+    lens = torch.tensor([11])
+
+    def f(q, k, v):
+        return reference_attention(q, k, v, causal=True, scale=0.3, kv_lengths=lens)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def _err(**overrides):
+    q, k, v = _inputs((2, 4, 2, 8, 8, 16))
+    args = {"q": q, "k": k, "v": v, **overrides}
+    return args
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "words"),
+    [
+        (_err(q=torch.randn(4, 8, 16)), kernels.ShapeError, "4 dims"),
+        (_err(q=torch.randn(2, 4, 8, 16, dtype=torch.float64)), kernels.DTypeError, "float64"),
+        (_err(k=torch.randn(2, 2, 8, 16).half()), kernels.DTypeError, "share one dtype"),
+        (_err(v=torch.randn(2, 2, 9, 16)), kernels.ShapeError, "same shape"),
+        (_err(k=torch.randn(3, 2, 8, 16), v=torch.randn(3, 2, 8, 16)), kernels.ShapeError, "batch"),
+        (_err(k=torch.randn(2, 2, 8, 8), v=torch.randn(2, 2, 8, 8)), kernels.ShapeError, "head dim"),
+        (_err(k=torch.randn(2, 3, 8, 16), v=torch.randn(2, 3, 8, 16)), kernels.ShapeError, "multiple"),
+        (
+            _err(q=torch.randn(1, 1, 4, 257), k=torch.randn(1, 1, 4, 257), v=torch.randn(1, 1, 4, 257)),
+            kernels.HeadDimError,
+            "256",
+        ),
+        (_err(q=torch.randn(2, 4, 0, 16)), kernels.ShapeError, "at least 1"),
+        (_err(kv_lengths=torch.tensor([1, 2, 3])), kernels.KVLengthsError, "shape [2]"),
+        (_err(kv_lengths=torch.tensor([1.0, 2.0])), kernels.KVLengthsError, "int32"),
+        (_err(kv_lengths=torch.tensor([1, 9])), kernels.KVLengthsError, "[0, 8]"),
+        (_err(kv_lengths=torch.tensor([-1, 2])), kernels.KVLengthsError, "[0, 8]"),
+        (_err(scale=float("nan")), kernels.ShapeError, "finite"),
+        (_err(kernel="fast"), kernels.KernelUnavailableError, "unknown kernel"),
+    ],
+)
+def test_validation_errors(args, error, words, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(error) as info:
+        kernels.attention(**args)
+    assert words in str(info.value)
+    assert isinstance(info.value, kernels.AttentionInputError)
+
+
+def test_device_mismatch_is_refused():
+    q, k, v = _inputs((1, 1, 1, 4, 4, 8))
+    with pytest.raises(kernels.DeviceMismatchError):
+        kernels.attention(q, k.to("meta"), v.to("meta"))
+
+
+def test_cpu_path_memory_is_linear_in_n():
+    """N = 16384: a stored S would be 1 GiB of float32; the CPU path must stay far below it."""
+    script = textwrap.dedent(
+        """
+        import os, resource, torch
+        os.environ.pop("TRITON_INTERPRET", None)
+        import kernels
+        n, d = 16384, 64
+        q, k, v = (torch.randn(1, 1, n, d) for _ in range(3))
+        torch.set_num_threads(2)
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        o = kernels.attention(q, k, v, causal=True, kv_lengths=torch.tensor([n - 5]))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert torch.isfinite(o).all()
+        print((peak - base) * 1024)
+        """
+    )
+    env_out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"})
+    assert env_out.returncode == 0, env_out.stderr
+    extra = int(env_out.stdout.strip().splitlines()[-1])
+    assert extra < 160 * 2**20, f"CPU path grew RSS by {extra / 2**20:.0f} MiB (a stored S is 1024 MiB)"
