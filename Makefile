@@ -12,6 +12,7 @@ help:
 	@echo "make test    - install, then run the whole test suite (CPU; GPU tests skip without CUDA)"
 	@echo "make lint    - ruff"
 	@echo "make proto   - regenerate the gRPC stubs from proto/"
+	@echo "make loadtest URL=http://host:8000 ARGS='--users 64 --run-time 60s' - headless Locust run"
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +34,10 @@ test: install
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+URL ?= http://127.0.0.1:8000
+loadtest: install
+	$(PY) -m loadtest.run --host $(URL) $(ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

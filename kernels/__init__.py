@@ -19,6 +19,7 @@ from .errors import (
     ShapeError,
 )
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnSpec, check_inputs
+from .warmup import warmup
 
 __all__ = [
     "KERNELS",
@@ -35,6 +36,7 @@ __all__ = [
     "attention",
     "check_inputs",
     "choose",
+    "warmup",
 ]
 
 
@@ -56,6 +58,10 @@ def attention(
     Returns o (batch, heads_q, seqlen_q, headdim) in q's dtype, and with return_lse also the
     float32 natural-log logsumexp (batch, heads_q, seqlen_q). Rows that see no key give o = 0 and
     lse = -inf.
+
+    Gradients flow through every kernel: "flash"/"flash_v1" (and "auto" on CUDA) by the Triton
+    backward that recomputes P block by block from the saved LSE (deterministic); "reference" and
+    the CPU path by PyTorch autograd. lse itself carries no gradient.
     """
     spec = check_inputs(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
     impl = choose(spec, kernel)

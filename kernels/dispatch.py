@@ -1,6 +1,17 @@
 """Which implementation runs: every backend exports ``forward(q, k, v, *, causal, scale,
 kv_lengths) -> (o, lse)`` on checked (B, H, N, D) inputs, and ``choose()`` picks one, saying why
 it refused the others.
+
+auto:
+- CUDA: ``flash`` (Triton, FA2 order, split-KV for decode) for every shape the contract allows;
+  ``flash_v1`` is slower everywhere (its grid is B·H, it rereads Q/O/m/l per K/V block) and
+  ``reference`` materialises the Nq×Nk score matrix.
+- CPU with ``TRITON_INTERPRET=1``: ``flash`` under the interpreter (except bfloat16, which the
+  interpreter computes wrongly here: the CPU path then).
+- CPU otherwise: ``cpu`` — torch's CPU flash kernel wrapped to keep the contract
+  (``reference.cpu_attention``), falling back to the blockwise online-softmax loop.
+Every backend gives gradients: ``flash``/``flash_v1`` through ``autograd.FlashAttentionFunction``
+(backward by recomputation), the others through plain PyTorch autograd.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _triton_refusal(spec: AttnSpec) -> str | None:
+def triton_refusal(spec: AttnSpec) -> str | None:
     """Why the Triton kernels cannot run for ``spec``, or None when they can."""
     if spec.device.type == "cuda":
         return None
@@ -41,18 +52,18 @@ def _load(name: str) -> Forward:
         from .reference import reference_attention
 
         return reference_attention
-    if name == "cpu_blockwise":
-        from .reference import blockwise_attention
+    if name == "cpu":
+        from .reference import cpu_attention
 
-        return blockwise_attention
+        return cpu_attention
     if name == "flash_v1":
-        from .flash_v1 import flash_v1_forward
+        from .autograd import flash_v1_attention_autograd
 
-        return flash_v1_forward
+        return flash_v1_attention_autograd
     if name == "flash":
-        from .flash import flash_forward
+        from .autograd import flash_attention_autograd
 
-        return flash_forward
+        return flash_attention_autograd
     raise KernelUnavailableError(f"unknown kernel {name!r}; choose one of {', '.join(KERNELS)}")
 
 
@@ -63,7 +74,19 @@ class Choice:
     refused: dict[str, str]  # kernel name -> why it was not chosen
 
 
-_logged: set[tuple[str, str]] = set()
+_logged: set[tuple] = set()
+
+
+def _auto(spec: AttnSpec) -> tuple[str, dict[str, str]]:
+    refused = {"reference": "materialises the Nq x Nk score matrix (O(N^2) memory)"}
+    t_refusal = triton_refusal(spec)
+    if t_refusal is None and spec.device.type == "cpu" and spec.dtype == torch.bfloat16:
+        t_refusal = "bfloat16 is computed wrongly by the Triton interpreter"
+    if t_refusal is not None:
+        refused["flash"] = refused["flash_v1"] = t_refusal
+        return "cpu", refused
+    refused["flash_v1"] = "flash is faster for every shape (Q blocks across the grid, K/V streamed)"
+    return "flash", refused
 
 
 def choose(spec: AttnSpec, kernel: str = "auto") -> Choice:
@@ -72,21 +95,19 @@ def choose(spec: AttnSpec, kernel: str = "auto") -> Choice:
         raise KernelUnavailableError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     if kernel == "reference":
         return Choice("reference", _load("reference"), {})
-    triton_refusal = _triton_refusal(spec)
     if kernel in ("flash", "flash_v1"):
-        if triton_refusal:
-            raise KernelUnavailableError(f"kernel {kernel!r} cannot run: {triton_refusal}")
+        refusal = triton_refusal(spec)
+        if refusal:
+            raise KernelUnavailableError(f"kernel {kernel!r} cannot run: {refusal}")
         return Choice(kernel, _load(kernel), {})
-    # auto: the fastest correct one for the device and shape
-    refused: dict[str, str] = {}
-    if triton_refusal is None:
-        name = "flash"
-        refused["flash_v1"] = "flash is faster for every shape (Q blocks across the grid)"
-    else:
-        refused["flash"] = refused["flash_v1"] = triton_refusal
-        name = "cpu_blockwise"
-    key = (str(spec.device.type), name)
+    name, refused = _auto(spec)
+    key = (spec.device.type, spec.dtype, name)
     if key not in _logged:
         _logged.add(key)
-        log.info("attention kernel for %s: %s (refused: %s)", spec.device.type, name, refused or "none")
+        log.info("attention kernel for %s %s: %s (refused: %s)", spec.device.type,
+                 str(spec.dtype).replace("torch.", ""), name,
+                 "; ".join(f"{k}: {v}" for k, v in refused.items()) or "none")
     return Choice(name, _load(name), refused)
+
+
+_triton_refusal = triton_refusal  # the name of the first version

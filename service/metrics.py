@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                 2.5, 5.0, 10.0, 30.0, 60.0)
+# 100 µs .. 60 s in 1-2.5-5 steps
+_TIME_BUCKETS = tuple(x * s for s in (1e-4, 1e-3, 1e-2, 1e-1, 1.0) for x in (1, 2.5, 5)) + (10.0, 30.0, 60.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -21,39 +21,73 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.success = Counter(
-            "attnserve_inference_request_success", "Requests answered successfully", ["kind"], registry=r)
+            "attnserve_inference_request_success", "Requests answered successfully", ["kind"], registry=r
+        )
         self.failure = Counter(
-            "attnserve_inference_request_failure", "Requests that failed, by error code (API.md §7)",
-            ["kind", "reason"], registry=r)
+            "attnserve_inference_request_failure",
+            "Requests that failed, by error code (API.md §7)",
+            ["kind", "reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
-            "attnserve_inference_queue_depth", "Requests waiting in the batcher (not yet launched)", registry=r)
+            "attnserve_inference_queue_depth",
+            "Requests waiting in the batcher (not yet launched)",
+            registry=r,
+        )
         self.pending = Gauge(
-            "attnserve_inference_pending_requests", "Requests held: queued or running (bounded by --max-queue-size)",
-            registry=r)
+            "attnserve_inference_pending_requests",
+            "Requests held: queued or running (bounded by --max-queue-size)",
+            registry=r,
+        )
         self.queue_duration = Histogram(
-            "attnserve_inference_queue_duration_seconds", "Time from arrival to launch", ["kind"],
-            buckets=_TIME_BUCKETS, registry=r)
+            "attnserve_inference_queue_duration_seconds",
+            "Time from arrival to launch",
+            ["kind"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
         self.request_duration = Histogram(
-            "attnserve_inference_request_duration_seconds", "Time from arrival to answer, in the engine",
-            ["kind"], buckets=_TIME_BUCKETS, registry=r)
+            "attnserve_inference_request_duration_seconds",
+            "Time from arrival to answer, in the engine",
+            ["kind"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
         self.compute_duration = Histogram(
             "attnserve_inference_compute_duration_seconds",
-            "Time of one launch on a worker: host->device copy, kernel, device->host copy", ["device"],
-            buckets=_TIME_BUCKETS, registry=r)
+            "Time of one launch on a worker: host->device copy, kernel, device->host copy",
+            ["device"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
         self.batch_size = Histogram(
-            "attnserve_inference_batch_size", "Requests per launch", ["device"], buckets=_BATCH_BUCKETS, registry=r)
+            "attnserve_inference_batch_size",
+            "Requests per launch",
+            ["device"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
         self.exec_count = Counter(
-            "attnserve_inference_exec", "Launches (batches) run", ["device"], registry=r)
+            "attnserve_inference_exec", "Launches (batches) run", ["device"], registry=r
+        )
         self.oom_splits = Counter(
-            "attnserve_inference_oom_split", "Batches split in two after a device out-of-memory", ["device"],
-            registry=r)
+            "attnserve_inference_oom_split",
+            "Batches split in two after a device out-of-memory",
+            ["device"],
+            registry=r,
+        )
         self.memory_used = Gauge(
-            "attnserve_gpu_memory_used_bytes", "Device memory held by tensors (torch.cuda.memory_allocated)",
-            ["device"], registry=r)
+            "attnserve_gpu_memory_used_bytes",
+            "Device memory held by tensors (torch.cuda.memory_allocated)",
+            ["device"],
+            registry=r,
+        )
         self.memory_total = Gauge(
-            "attnserve_gpu_memory_total_bytes", "Device memory of the card", ["device"], registry=r)
-        self.ready = Gauge("attnserve_ready", "1 when every worker is warm and the engine is not draining",
-                           registry=r)
+            "attnserve_gpu_memory_total_bytes", "Device memory of the card", ["device"], registry=r
+        )
+        self.ready = Gauge(
+            "attnserve_ready", "1 when every worker is warm and the engine is not draining", registry=r
+        )
 
     def track_device_memory(self, device: str) -> None:
         """Sample a CUDA device's memory at each scrape (no polling thread)."""

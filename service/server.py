@@ -53,6 +53,9 @@ async def serve(settings: Settings) -> None:
         await asyncio.wait({asyncio.create_task(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
 
     log.info("shutting down: draining held requests")
+    if not start_task.done():  # stopped while warming up: nothing was accepted yet
+        start_task.cancel()
+        await asyncio.gather(start_task, return_exceptions=True)
     await engine.drain()  # not-ready from here; everything accepted is answered
     if grpc_server is not None:
         await grpc_server.stop(grace=30)

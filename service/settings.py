@@ -17,32 +17,46 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="forbid")
 
     host: str = Field("0.0.0.0", description="address to bind HTTP and gRPC to")
-    http_port: int = Field(8000, description="HTTP port (FastAPI: native API, Open Inference Protocol, health, metrics)")
-    grpc_port: int = Field(8001, description="gRPC port (attention.v1 and inference.GRPCInferenceService); 0 disables")
+    http_port: int = Field(
+        8000, description="HTTP port (FastAPI: native API, Open Inference Protocol, health, metrics)"
+    )
+    grpc_port: int = Field(
+        8001, description="gRPC port (attention.v1 and inference.GRPCInferenceService); 0 disables"
+    )
     device: str = Field(
-        "auto", description="'auto' (every visible GPU, else the CPU), 'cpu', 'cuda', or a list such as 'cuda:0,cuda:1'"
+        "auto",
+        description="'auto' (every visible GPU, else the CPU), 'cpu', 'cuda', "
+        "or a list such as 'cuda:0,cuda:1'",
     )
     layer: list[str] = Field(
         default_factory=list,
-        description="model layer to serve, NAME=DIR:INDEX (a Hugging Face checkpoint folder and a layer index); repeatable",
+        description="model layer to serve, NAME=DIR:INDEX "
+        "(a Hugging Face checkpoint folder and a layer index); repeatable",
     )
     layer_dtype: str | None = Field(
         None, description="dtype for layer weights (float16, bfloat16, float32); default: the checkpoint's"
     )
-    batching: bool = Field(True, description="group compatible requests into one launch (off: one launch per request)")
+    batching: bool = Field(
+        True, description="group compatible requests into one launch (off: one launch per request)"
+    )
     max_batch_tokens: int = Field(
         65536, description="a batch launches once its requests hold this many query tokens (B·Nq summed)"
     )
     max_queue_delay_ms: float = Field(
-        2.0, description="while every worker is busy, the longest the oldest queued request waits to gather a batch"
+        2.0,
+        description="while every worker is busy, the longest the oldest queued request waits "
+        "to gather a batch",
     )
     max_queue_size: int = Field(1024, description="requests held (queued or running) before new ones get 429")
     max_body_mb: float = Field(1024.0, description="largest request body (HTTP) or message (gRPC), in MiB")
     request_timeout_ms: float = Field(
-        60000.0, description="default deadline of a request; X-Request-Timeout-Ms or a gRPC deadline overrides it"
+        60000.0,
+        description="default deadline of a request; X-Request-Timeout-Ms or a gRPC deadline overrides it",
     )
     api_key: str | None = Field(
-        None, description="if set, every call except health probes needs 'Authorization: Bearer KEY' or 'X-API-Key'"
+        None,
+        description="if set, every call except health probes needs "
+        "'Authorization: Bearer KEY' or 'X-API-Key'",
     )
     warmup_shapes: str = Field(
         "1x8x128x64,1x8x1024x64,1x32x1024x128",
@@ -72,11 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, field in Settings.model_fields.items():
         env = f"ATTNSERVE_{name.upper()}"
-        help_text = f"{field.description} [env {env}; default {field.get_default(call_default_factory=True)!r}]"
+        help_text = (
+            f"{field.description} [env {env}; default {field.get_default(call_default_factory=True)!r}]"
+        )
         if name == "layer":
-            parser.add_argument(_flag(name), action="append", default=None, metavar="NAME=DIR:INDEX", help=help_text)
+            parser.add_argument(
+                _flag(name), action="append", default=None, metavar="NAME=DIR:INDEX", help=help_text
+            )
         elif field.annotation is bool:
-            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                _flag(name), action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
             parser.add_argument(_flag(name), default=None, help=help_text)
     return parser

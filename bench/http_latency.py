@@ -1,0 +1,303 @@
+"""HTTP transport benchmark: what a small call pays above the kernel, and a large call's throughput,
+with the JSON encodings beside safetensors.
+
+    python -m bench.http_latency                        # starts `python -m service` itself (--device auto)
+    python -m bench.http_latency --url http://HOST:8000 # against a running server (same machine for "added")
+    python -m bench.http_latency --iters 500 --large-iters 10 --write docs/benchmarks/service.md
+    python -m bench.service http ...                    # the same, as a section of the service benchmarks
+
+Rows:
+  kernel                 kernels.attention on --device in this process, inputs already there: the floor.
+  small safetensors      1x8x128x64 fp16 POST /attention, one call in flight, body built once:
+                         p50/p90/p99 and the p50 *added* above the kernel (HTTP + decode + queue + copies).
+  small AttentionClient  the same through service.client (tensor packing/unpacking included).
+  small JSON base64      {"shape","dtype","data": base64} in and out.
+  small JSON lists       nested lists in and out (float32 on the wire).
+  large safetensors      1x32x8192x128 bf16 (1x8x1024x64 without a GPU): end-to-end GB/s counted as
+                         request + response bytes per second of wall time, beside the kernel alone.
+  large JSON base64      the same call as base64 JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import safetensors.torch as st
+import torch
+
+import kernels
+from service.client import AttentionClient
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "## HTTP transport"
+HAS_CUDA = torch.cuda.is_available()
+SMALL = (1, 8, 128, 64)
+LARGE = (1, 32, 8192, 128) if HAS_CUDA else (1, 8, 1024, 64)
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def tensors(shape, dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(*shape, generator=g).to(dtype) for n in ("q", "k", "v")}
+
+
+def kernel_times(shape, dtype, device: str, iters: int) -> list[float]:
+    """Seconds per kernels.attention call on device-resident inputs (synchronised per call)."""
+    q, k, v = (t.to(device) for t in tensors(shape, dtype).values())
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(3):
+        kernels.attention(q, k, v)
+    sync()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        kernels.attention(q, k, v)
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _json_body(ts: dict[str, torch.Tensor], encoding: str) -> bytes:
+    if encoding == "lists":
+        return orjson.dumps({n: t.float().numpy() for n, t in ts.items()}, option=orjson.OPT_SERIALIZE_NUMPY)
+    doc = {}
+    for n, t in ts.items():
+        raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+        doc[n] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "data": base64.b64encode(raw).decode(),
+        }
+    return orjson.dumps(doc)
+
+
+def http_times(http: httpx.Client, body: bytes, ctype: str, iters: int) -> tuple[list[float], int]:
+    """Seconds per POST /attention (one in flight) and the response size."""
+    headers = {"Content-Type": ctype}
+    size = 0
+    for _ in range(3):
+        r = http.post("/attention", content=body, headers=headers)
+        r.raise_for_status()
+        size = len(r.content)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        r = http.post("/attention", content=body, headers=headers)
+        out.append(time.perf_counter() - t0)
+        r.raise_for_status()
+    return out, size
+
+
+def client_times(url: str, ts: dict[str, torch.Tensor], iters: int) -> list[float]:
+    with AttentionClient(url) as c:
+        for _ in range(3):
+            c.attention(**ts)
+        out = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            c.attention(**ts)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def row(name, shape, dtype, xs, kernel_p50=None, nbytes=None, note="") -> dict:
+    p50 = pct(xs, 50)
+    return {
+        "run": name,
+        "shape": "x".join(map(str, shape)),
+        "dtype": dtype,
+        "p50": 1e3 * p50,
+        "p90": 1e3 * pct(xs, 90),
+        "p99": 1e3 * pct(xs, 99),
+        "added": None if kernel_p50 is None else 1e3 * (p50 - kernel_p50),
+        "gbs": None if nbytes is None else nbytes / p50 / 1e9,
+        "note": note,
+    }
+
+
+def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
+    rows = []
+    small = tensors(SMALL, torch.float16)
+    k_times = kernel_times(SMALL, torch.float16, device, iters)
+    k_small = pct(k_times, 50)
+    rows.append(row("kernel", SMALL, "fp16", k_times, note=f"on {device}, inputs resident"))
+    with httpx.Client(base_url=url, timeout=600) as http:
+        st_body = st.save(small)
+        xs, _ = http_times(http, st_body, "application/x-safetensors", iters)
+        rows.append(
+            row("small safetensors", SMALL, "fp16", xs, k_small, note=f"{len(st_body) / 1024:.0f} KiB in")
+        )
+        rows.append(row("small AttentionClient", SMALL, "fp16", client_times(url, small, iters), k_small))
+        for enc in ("base64", "lists"):
+            body = _json_body(small if enc == "base64" else {n: t.float() for n, t in small.items()}, enc)
+            xs, _ = http_times(
+                http, body, "application/json", max(10, iters // (1 if enc == "base64" else 5))
+            )
+            rows.append(
+                row(
+                    f"small JSON {enc}",
+                    SMALL,
+                    "fp16" if enc == "base64" else "fp32",
+                    xs,
+                    k_small,
+                    note=f"{len(body) / 1024:.0f} KiB in",
+                )
+            )
+        large = tensors(LARGE, torch.bfloat16)
+        k_large = kernel_times(LARGE, torch.bfloat16, device, large_iters)
+        in_bytes = sum(t.numel() * 2 for t in large.values())
+        rows.append(
+            row(
+                "large kernel",
+                LARGE,
+                "bf16",
+                k_large,
+                nbytes=in_bytes + in_bytes // 3,
+                note="GB/s here: the same bytes over the kernel's own time",
+            )
+        )
+        for name, body, ctype in (
+            ("large safetensors", st.save(large), "application/x-safetensors"),
+            ("large JSON base64", _json_body(large, "base64"), "application/json"),
+        ):
+            xs, out_size = http_times(http, body, ctype, large_iters)
+            rows.append(
+                row(
+                    name,
+                    LARGE,
+                    "bf16",
+                    xs,
+                    pct(k_large, 50),
+                    nbytes=len(body) + out_size,
+                    note=f"{len(body) / 2**20:.0f} MiB in, {out_size / 2**20:.0f} MiB out",
+                )
+            )
+    return rows
+
+
+def render(rows: list[dict], command: str) -> str:
+    card = torch.cuda.get_device_name(0) if HAS_CUDA else f"CPU only ({os.cpu_count()} cores)"
+    lines = [
+        SECTION,
+        "",
+        f"- card: {card}; torch {torch.__version__}",
+        f"- command: `{command}`",
+        "- one call in flight over a keep-alive connection; added = p50 of the call - p50 of the kernel",
+        "",
+        "| run | shape BxHxNxD | dtype | p50 ms | p90 ms | p99 ms | added p50 ms | GB/s | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x):
+        return "-" if x is None else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {r['shape']} | {r['dtype']} | {f(r['p50'])} | {f(r['p90'])} | {f(r['p99'])} "
+            f"| {f(r['added'])} | {f(r['gbs'])} | {r['note']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(device: str):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "service",
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--device",
+        device,
+        "--request-timeout-ms",
+        "600000",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None, help="a running server; default: start one here")
+    parser.add_argument(
+        "--device",
+        default="cuda:0" if HAS_CUDA else "cpu",
+        help="device of the kernel-alone rows (and of the server started here)",
+    )
+    parser.add_argument("--iters", type=int, default=300, help="calls per small row")
+    parser.add_argument("--large-iters", type=int, default=10 if HAS_CUDA else 3, help="calls per large row")
+    parser.add_argument("--write", type=Path, default=None, help="update this markdown file's HTTP section")
+
+
+def run(args: argparse.Namespace, command: str) -> str:
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(local_server(args.device))
+        text = render(measure(url, args.device, args.iters, args.large_iters), command)
+    print(text)
+    if args.write:
+        write_section(args.write, text)
+    return text
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace this section of ``path`` (the engine's and gRPC's sections stay as they are)."""
+    old = path.read_text() if path.exists() else "# attnserve service benchmarks\n\n"
+    if SECTION in old:
+        head, _, rest = old.partition(SECTION)
+        nxt = rest.find("\n## ")
+        new = head + text + ("\n" + rest[nxt + 1 :] if nxt >= 0 else "")
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.http_latency", description=__doc__.split("\n\n")[0]
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    run(args, "python -m bench.http_latency " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

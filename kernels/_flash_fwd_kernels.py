@@ -1,0 +1,266 @@
+"""Triton forward kernels (FlashAttention-2 order): Q blocks across the grid, K/V streamed.
+
+Only ``@triton.jit`` code and its autotuning lives here; ``kernels/flash.py`` checks, allocates
+and launches. The seed's online softmax (steps 1-5) in base 2, with scale·log2(e) folded into S:
+
+    S_ij   = Q_i K_jᵀ · scale · log2(e)                    (step 1, log2 units)
+    m_new  = max(m_i, rowmax(S_ij))                        (steps 2-3)
+    alpha  = 2^(m_i - m_new)                               (step 4, the correction factor)
+    P_ij   = 2^(S_ij - m_new)
+    l_new  = alpha · l_i + rowsum(P_ij)                    (step 4)
+    O_new  = alpha · O_i + P_ij V_j                        (step 5, left unnormalised: FA2 divides
+                                                            by l once at the end)
+    lse    = (m + log2 l) · ln 2                           (natural log, what the API returns)
+
+A row that sees no key keeps m = -inf and l = 0: it is written as o = 0, lse = -inf.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,            # running O (fp32, unnormalised), l, m (log2 units); the Q tile
+    k_base, v_base,              # K, V pointers at (batch, kv head)
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    start, end,                  # key range [start, end), start a multiple of BLOCK_N
+    kv_len,                      # keys >= kv_len are padding (masked)
+    i_rows, causal_off,          # query index of each row; Nk - Nq (bottom-right causal)
+    qk_scale,                    # scale · log2(e)
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,        # False: every key of every block in [start, end) is visible
+    IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        kt_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K_jᵀ (BLOCK_D, BLOCK_N)
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd   # V_j (BLOCK_N, BLOCK_D)
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=(cols[None, :] < kv_len) & (offs_d[:, None] < D), other=0.0)
+        elif BLOCK_D != D:
+            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+        # step 1: S_ij = Q_i K_jᵀ · scale, in log2 units
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            visible = cols[None, :] < kv_len
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= i_rows[:, None] + causal_off)
+            s = tl.where(visible, s, float("-inf"))
+        # steps 2-3: m_new = max(m_i, rowmax(S_ij))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # a row that has seen no key yet: subtract 0, not -inf (-inf - -inf is NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        # step 4: alpha = 2^(m_i - m_new); l_new = alpha·l_i + rowsum(P_ij)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # step 5: O_new = alpha·O_i + P_ij V_j
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(cols[:, None] < kv_len) & (offs_d[None, :] < D), other=0.0)
+        elif BLOCK_D != D:
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd(
+    Q, K, V,                     # q (B, Hq, Nq, D); k, v (B, Hkv, Nk, D); any strides
+    O,                           # out: o (B, Hq, Nq, D), or per-split partials (S, B, Hq, Nq, D) fp32
+    LSE,                         # out: lse (B, Hq, Nq) fp32 natural log, or per-split (S, B, Hq, Nq)
+    KV_LEN,                      # int32 (B,) key lengths; unused unless HAS_KV_LEN
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_os, stride_ob, stride_oh, stride_on, stride_od,   # stride_os: between splits (0: one split)
+    stride_ls, stride_lb, stride_lh, stride_ln,
+    H_Q,                         # query heads
+    GROUP,                       # query heads per kv head (Hq / Hkv): q head h reads kv head h // GROUP
+    N_Q, N_K,                    # query and key lengths
+    qk_scale,                    # scale · log2(e)
+    KEYS_PER_SPLIT,              # keys handled by one program along grid axis 2 (split-KV)
+    N_Q_BUCKET, N_K_BUCKET,      # autotuning key only (log2 buckets of N_Q, N_K)
+    D: tl.constexpr,             # head dim
+    BLOCK_D: tl.constexpr,       # D padded to a power of two (>= 16); columns >= D are masked
+    BLOCK_M: tl.constexpr,       # rows (queries) per program
+    BLOCK_N: tl.constexpr,       # keys per inner step
+    IS_CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+    PACK: tl.constexpr,          # 1, or GROUP: the rows of one program are the GROUP query heads of
+                                 # one kv head × N_Q queries (decode: K/V read once per kv head)
+    DOT_PREC: tl.constexpr,      # "ieee" for float32 inputs (exact), "tf32" (ignored) for 16-bit
+):
+    # ---- which rows this program owns ----
+    n_pid_m = tl.num_programs(0)
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = n_pid_m - 1 - pid_m          # the longest rows first: better tail balance
+    pid_bh = tl.program_id(1)                # batch × (Hq / PACK)
+    pid_s = tl.program_id(2)                 # split of the key range
+    heads_per_prog = H_Q // PACK
+    b = pid_bh // heads_per_prog
+    hp = pid_bh % heads_per_prog
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    if PACK == 1:
+        head = hp + rows * 0                 # (BLOCK_M,) all the same head
+        i_rows = rows                        # query index of each row
+        kvh = hp // GROUP
+        row_ok = rows < N_Q
+        i_lo = pid_m * BLOCK_M
+        i_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, N_Q) - 1
+    else:
+        head = hp * PACK + rows // N_Q
+        i_rows = rows % N_Q
+        kvh = hp
+        row_ok = rows < PACK * N_Q
+        i_lo = 0                             # rows of several heads: take the widest bounds
+        i_hi = N_Q - 1
+
+    # ---- the key range: [0, full_end) needs no mask, [full_end, hi) is masked ----
+    if HAS_KV_LEN:
+        kv_len = tl.load(KV_LEN + b)
+    else:
+        kv_len = N_K
+    causal_off = N_K - N_Q
+    hi = kv_len
+    full_end = kv_len
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, i_hi + causal_off + 1)
+        full_end = tl.minimum(full_end, i_lo + causal_off + 1)
+    hi = tl.maximum(hi, 0)
+    full_end = tl.minimum(tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N, hi)
+    k0 = pid_s * KEYS_PER_SPLIT
+    k1 = k0 + KEYS_PER_SPLIT
+
+    # ---- load Q_i once ----
+    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + i_rows[:, None] * stride_qn \
+        + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # blocks every row sees whole: no mask
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        k0, tl.minimum(k1, full_end), kv_len, i_rows, causal_off, qk_scale,
+        D, BLOCK_N, BLOCK_D, False, IS_CAUSAL, DOT_PREC)
+    # the diagonal / padding / ragged-end blocks: masked
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        tl.maximum(k0, full_end), tl.minimum(k1, hi), kv_len, i_rows, causal_off, qk_scale,
+        D, BLOCK_N, BLOCK_D, True, IS_CAUSAL, DOT_PREC)
+
+    # ---- epilogue: O = O / l, lse = (m + log2 l)·ln2; rows with no key -> 0, -inf ----
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_ptrs = O + pid_s * stride_os + b * stride_ob + head[:, None] * stride_oh \
+        + i_rows[:, None] * stride_on + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    l_ptrs = LSE + pid_s * stride_ls + b * stride_lb + head * stride_lh + i_rows * stride_ln
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_combine(
+    O_PART,                      # (S, R, D) fp32: each split's normalised output, R = B·Hq·Nq rows
+    LSE_PART,                    # (S, R) fp32: each split's natural-log lse (-inf: saw no key)
+    O,                           # out: o (B, Hq, Nq, D), any strides
+    LSE,                         # out: lse (B, Hq, Nq) contiguous fp32
+    stride_ob, stride_oh, stride_on, stride_od,
+    N_SPLITS, R, H_Q, N_Q,
+    ROWS,                        # rows per program
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,       # N_SPLITS padded to a power of two: all splits of a row in one load
+):
+    """Flash-decoding's reduction: lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < N_SPLITS
+    r0 = tl.program_id(0) * ROWS
+    for r in range(r0, tl.minimum(r0 + ROWS, R)):
+        lse_s = tl.load(LSE_PART + offs_s * R + r, mask=s_ok, other=float("-inf"))
+        o_s = tl.load(O_PART + (offs_s[:, None] * R + r) * D + offs_d[None, :],
+                      mask=s_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        m = tl.max(lse_s, 0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse_s - m_use)            # 0 for splits that saw no key
+        w_sum = tl.sum(w, 0)
+        seen = w_sum > 0.0
+        w_safe = tl.where(seen, w_sum, 1.0)
+        o = tl.sum(w[:, None] * o_s, 0) / w_safe
+        lse = tl.where(seen, m_use + tl.log(w_safe), float("-inf"))
+        b = r // (H_Q * N_Q)
+        h = (r // N_Q) % H_Q
+        n = r % N_Q
+        tl.store(O + b * stride_ob + h * stride_oh + n * stride_on + offs_d * stride_od,
+                 o.to(O.dtype.element_ty), mask=offs_d < D)
+        tl.store(LSE + r, lse)
+
+
+# ---- autotuning: a handful of configs per head-dim class, keyed on what changes the best one ----
+
+def _cfg(bm, bn, w, s):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+
+
+_PREFILL = {
+    64: [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 4, 3), _cfg(64, 64, 4, 4),
+         _cfg(64, 128, 4, 3)],
+    128: [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 128, 8, 2),
+          _cfg(64, 64, 4, 3), _cfg(64, 128, 4, 3)],   # BLOCK_M 64: more programs for short N
+    256: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
+}
+_PREFILL_FP32 = [_cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(32, 64, 4, 2)]
+_SPLIT = [_cfg(16, 128, 4, 3), _cfg(16, 64, 4, 4), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3)]
+_SPLIT_FP32 = [_cfg(16, 64, 4, 2), _cfg(32, 32, 4, 2)]
+
+
+def _d_class(block_d: int) -> int:
+    return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
+
+
+def _prune_prefill(configs, nargs, **kw):
+    if nargs["Q"].dtype.itemsize == 4:  # fp32 tiles take twice the shared memory
+        return _PREFILL_FP32
+    return _PREFILL[_d_class(kw["BLOCK_D"])]
+
+
+def _prune_split(configs, nargs, **kw):
+    cfgs = _SPLIT_FP32 if nargs["Q"].dtype.itemsize == 4 else _SPLIT
+    if kw["BLOCK_D"] > 128:
+        cfgs = [c for c in cfgs if c.kwargs["BLOCK_N"] <= 64]
+    return cfgs
+
+
+_KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "PACK", "N_Q_BUCKET", "N_K_BUCKET"]
+_ALL_PREFILL = [c for cs in _PREFILL.values() for c in cs] + _PREFILL_FP32
+
+attn_fwd_tuned = triton.autotune(
+    configs=_ALL_PREFILL, key=_KEY, prune_configs_by={"early_config_prune": _prune_prefill},
+)(attn_fwd)
+attn_fwd_split_tuned = triton.autotune(
+    configs=_SPLIT + _SPLIT_FP32, key=_KEY, prune_configs_by={"early_config_prune": _prune_split},
+)(attn_fwd)

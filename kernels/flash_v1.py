@@ -1,0 +1,69 @@
+"""Launcher of the seed's FlashAttention V1 (``kernels/_flash_v1_kernels.py``).
+
+``flash_v1_forward(q, k, v, *, causal, scale, kv_lengths=None) -> (o, lse)``
+
+q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D), any strides. Grid (B·Hq, S): one program per (batch,
+query head) and key slice; O, m, l live in float32 HBM buffers of shape (S, B, Hq, Nq[, D]) between
+outer iterations, as in the seed; ``combine`` merges the S slices by their LSE. S grows only while
+B·Hq leaves SMs idle, and is capped so the float32 partials stay under ``PARTIAL_BYTES``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import _flash_v1_kernels as kern
+from .flash import SPLIT_KEY_QUANTUM, _no_lengths, _num_sms, block_d, combine, launch
+
+PARTIAL_BYTES = 1 << 30
+
+
+def _splits(b: int, hq: int, n_q: int, n_k: int, d: int, device: torch.device,
+            num_splits: int | None) -> tuple[int, int]:
+    if num_splits is None:
+        want = triton.cdiv(2 * _num_sms(device), b * hq)
+        cap = max(1, PARTIAL_BYTES // (b * hq * n_q * d * 4))
+        num_splits = max(1, min(want, cap, n_k // (2 * SPLIT_KEY_QUANTUM), 64))
+    num_splits = max(1, min(num_splits, triton.cdiv(n_k, SPLIT_KEY_QUANTUM), 64))
+    kps = triton.cdiv(triton.cdiv(n_k, num_splits), SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
+    return triton.cdiv(n_k, kps), kps
+
+
+def flash_v1_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    kv_lengths: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32 natural log."""
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
+    dev = q.device
+    splits, kps = _splits(b, hq, n_q, n_k, d, dev, num_splits)
+    o_part = torch.zeros(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
+    m_part = torch.full((splits, b, hq, n_q), float("-inf"), dtype=torch.float32, device=dev)
+    l_part = torch.zeros(splits, b, hq, n_q, dtype=torch.float32, device=dev)
+    if kv_lengths is not None:
+        kv_len = kv_lengths.to(device=dev, dtype=torch.int32).contiguous()
+    else:
+        kv_len = _no_lengths(dev)
+    args = (
+        q, k, v, o_part, m_part, l_part, kv_len,
+        *q.stride(), *k.stride(), *v.stride(),
+        b, hq, hq // hkv, n_q, n_k, float(scale), kps,
+    )
+    meta = dict(
+        D=d, BLOCK_D=block_d(d), IS_CAUSAL=bool(causal), HAS_KV_LEN=kv_lengths is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    launch(kern.flash_v1_fwd_tuned, lambda cfg: (b * hq, splits), args, meta, q)
+    o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
+    lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
+    combine(o_part, m_part, o, lse)
+    return o, lse

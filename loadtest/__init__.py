@@ -1,0 +1,1 @@
+"""Locust load tests of attnserve (headless runner, mixes, answer check): see docs/loadtest.md."""

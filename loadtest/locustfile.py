@@ -1,0 +1,227 @@
+"""Locust users for attnserve: every transport of API.md, every answer checked.
+
+    locust -f loadtest/locustfile.py -H http://HOST:8000 --mix small [--grpc-target HOST:8001] \
+        SafetensorsUser GrpcUser JsonUser OipUser
+
+Users (pick any on the command line; each has weight 1):
+  SafetensorsUser  POST /attention, application/x-safetensors      (request names "st <shape>")
+  JsonUser         POST /attention, application/json, small only:  "json-b64 small-f16" (base64 data)
+                   and "json-list small-f32" (nested float32 lists)
+  OipUser          POST /v2/models/attention/infer, binary tensor extension ("oip <shape>")
+  GrpcUser         attention.v1.AttentionService/Attend             ("grpc <shape>", type "grpc")
+
+Options (also from the environment): --mix small|prefill|decode|mixed (LOADTEST_MIX), --grpc-target
+HOST:PORT (LOADTEST_GRPC_TARGET; default the HTTP host at port 8001), --request-timeout seconds
+(LOADTEST_REQUEST_TIMEOUT), --api-key KEY (LOADTEST_API_KEY). Shapes of each mix: loadtest/payloads.py.
+A wrong answer, a mixed-up answer, a wrong shape or dtype, and any non-200 status (429 backpressure
+included) is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import FastHttpUser, User, constant, events, task
+from locust.runners import MasterRunner, WorkerRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `locust -f loadtest/locustfile.py`
+
+from loadtest import payloads  # noqa: E402
+from loadtest.payloads import WrongAnswer  # noqa: E402
+
+grpc_gevent.init_gevent()  # before any channel: grpc's polling then yields to gevent's loop
+
+GRPC_MAX_MESSAGE = 1 << 30  # API.md §3: at least 1 GiB each way
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser) -> None:
+    parser.add_argument("--mix", choices=sorted(payloads.MIXES), env_var="LOADTEST_MIX",
+                        default="small", help="request mix: shapes and weights in loadtest/payloads.py")
+    parser.add_argument("--grpc-target", env_var="LOADTEST_GRPC_TARGET", default="",
+                        help="host:port of the gRPC server (default: the HTTP host, port 8001)")
+    parser.add_argument("--request-timeout", type=float, env_var="LOADTEST_REQUEST_TIMEOUT", default=300.0,
+                        help="seconds a request may take before it fails on the client")
+    parser.add_argument("--final-stats", env_var="LOADTEST_FINAL_STATS", default="",
+                        help="write the final statistics (after the users stopped) as JSON here")
+    parser.add_argument("--api-key", env_var="LOADTEST_API_KEY", default="",
+                        help="sent as 'Authorization: Bearer KEY' (HTTP header, gRPC metadata)")
+
+
+class _State:
+    """Per-process: the prepared request pools (built once, at init, before any user starts)."""
+
+    pools: dict[str, payloads.Pool] = {}
+    mix = "small"
+    grpc_target = ""
+    timeout = 300.0
+    auth: dict[str, str] = {}
+
+    @classmethod
+    def pool(cls, mix: str) -> payloads.Pool:
+        if mix not in cls.pools:
+            shapes = [payloads.JSON_LIST, payloads.SMALL] if mix == "json" else payloads.MIXES[mix]
+            cls.pools[mix] = payloads.Pool(shapes, seed=os.getpid())
+        return cls.pools[mix]
+
+
+@events.init.add_listener
+def _init(environment, **_kw) -> None:
+    opts = environment.parsed_options
+    if opts is None:  # used as a library without options: defaults
+        return
+    _State.mix, _State.timeout = opts.mix, opts.request_timeout
+    _State.auth = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    host = urlparse(environment.host or opts.host or "http://127.0.0.1:8000").hostname or "127.0.0.1"
+    _State.grpc_target = opts.grpc_target or f"{host}:8001"
+    if opts.final_stats and not isinstance(environment.runner, WorkerRunner):
+        environment.events.quit.add_listener(lambda **_: _write_final_stats(environment, opts.final_stats))
+    if isinstance(environment.runner, MasterRunner):
+        return  # the master only aggregates statistics
+    t0 = time.perf_counter()
+    classes = {u.__name__ for u in environment.user_classes}
+    if classes - {"JsonUser"}:
+        _State.pool(_State.mix)
+    if "JsonUser" in classes:
+        _State.pool("json")
+    print(f"loadtest: prepared mix {_State.mix!r} in {time.perf_counter() - t0:.1f}s (pid {os.getpid()})",
+          file=sys.stderr)
+
+
+def _write_final_stats(environment, path: str) -> None:
+    """Locust's CSV is written every second, so it misses the last requests; this runs at quit,
+    after the users stopped (and, distributed, after the workers' last reports)."""
+    stats = environment.runner.stats
+
+    last = stats.total.last_request_timestamp  # rates of every name over the whole run's span
+    span = max(last - stats.total.start_time, 1e-9) if last else float("nan")
+
+    def entry(e) -> dict:
+        return {"type": e.method, "name": e.name, "requests": e.num_requests, "failures": e.num_failures,
+                "rps": e.num_requests / span, "duration_s": span, "avg_ms": e.avg_response_time,
+                "max_ms": e.max_response_time, "bytes": e.total_content_length,
+                **{f"p{q}_ms": e.get_response_time_percentile(q / 100) if e.num_requests else float("nan")
+                   for q in (50, 95, 99)}}
+
+    doc = {"total": entry(stats.total), "entries": [entry(e) for e in stats.entries.values()],
+           "errors": [{"name": e.name, "type": e.method, "error": str(e.error), "occurrences": e.occurrences}
+                      for e in stats.errors.values()]}
+    Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+class _HttpBase(FastHttpUser):
+    abstract = True
+    wait_time = constant(0)
+    connection_timeout = 60.0
+
+    def __init__(self, environment) -> None:
+        self.network_timeout = _State.timeout  # read by FastHttpUser.__init__ when it builds the client
+        super().__init__(environment)
+        self.rng = random.Random()
+
+    def _post(self, name: str, path: str, body: bytes, headers: dict[str, str], check) -> None:
+        headers = {**headers, **_State.auth}
+        with self.client.post(path, data=body, headers=headers, name=name, catch_response=True) as resp:
+            if resp.status_code != 200:
+                detail = resp.error if resp.status_code == 0 else (resp.text or "")[:300]
+                resp.failure(f"HTTP {resp.status_code}: {detail}")
+                return
+            try:
+                check(resp)
+            except WrongAnswer as e:
+                resp.failure(str(e))
+
+
+class SafetensorsUser(_HttpBase):
+    """POST /attention with a safetensors body; options as query parameters (API.md §2)."""
+
+    @task
+    def attend(self) -> None:
+        p = _State.pool(_State.mix).draw(self.rng)
+        body, exp = payloads.safetensors_body(p, self.rng)
+        path = "/attention?causal=true" if p.shape.causal else "/attention"
+        self._post(f"st {p.shape.label}", path, body, {"Content-Type": "application/x-safetensors"},
+                   lambda r: payloads.check_safetensors(r.content, exp))
+
+
+class JsonUser(_HttpBase):
+    """POST /attention with JSON: base64 float16 and nested-list float32 (small shapes only)."""
+
+    @task
+    def attend(self) -> None:
+        p = _State.pool("json").draw(self.rng)
+        if p.shape.dtype == "float32":
+            name, (body, exp) = f"json-list {p.shape.label}", payloads.json_list_body(p, self.rng)
+        else:
+            name, (body, exp) = f"json-b64 {p.shape.label}", payloads.json_b64_body(p, self.rng)
+        self._post(name, "/attention", body, {"Content-Type": "application/json"},
+                   lambda r: payloads.check_json(r.content, exp))
+
+
+class OipUser(_HttpBase):
+    """Open Inference Protocol infer with the binary tensor data extension (API.md §6)."""
+
+    @task
+    def infer(self) -> None:
+        p = _State.pool(_State.mix).draw(self.rng)
+        body, headers, exp = payloads.oip_body(p, self.rng)
+        def check(r):
+            payloads.check_oip(r.content, r.headers.get("Inference-Header-Content-Length"), exp)
+        self._post(f"oip {p.shape.label}", "/v2/models/attention/infer", body, headers, check)
+
+
+class GrpcUser(User):
+    """attention.v1 Attend over its own HTTP/2 connection; reports as request type "grpc"."""
+
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        from service.protogen import attention_stubs  # generates proto/gen if stale
+
+        stubs = attention_stubs()
+        self.rng = random.Random()
+        self.pb = stubs.attention_pb2
+        self.channel = grpc.insecure_channel(_State.grpc_target, options=[
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.use_local_subchannel_pool", 1),  # one connection per user, like the HTTP users
+        ])
+        self.attend_rpc = stubs.attention_pb2_grpc.AttentionServiceStub(self.channel).Attend
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    def _tensor(self, shape: list[int], dtype: str, data: bytes):
+        return self.pb.Tensor(shape=shape, dtype=payloads.DTYPE_CODES[dtype][2], data=data)
+
+    @task
+    def attend(self) -> None:
+        p = _State.pool(_State.mix).draw(self.rng)
+        s = p.shape
+        exp, v = p.fresh_v(self.rng)
+        req = self.pb.AttendRequest(q=self._tensor(s.q_shape, s.dtype, p.q),
+                                    k=self._tensor(s.kv_shape, s.dtype, p.k),
+                                    v=self._tensor(s.kv_shape, s.dtype, v), causal=s.causal)
+        start, length, exc = time.perf_counter(), 0, None
+        try:
+            resp = self.attend_rpc(req, timeout=_State.timeout, metadata=tuple(_State.auth.items()))
+            elapsed = time.perf_counter() - start
+            length = len(resp.o.data)
+            exp.check_header(list(resp.o.shape), payloads.PB_TO_NAME.get(resp.o.dtype, str(resp.o.dtype)))
+            exp.check_bits(resp.o.data)
+        except grpc.RpcError as e:
+            elapsed = time.perf_counter() - start
+            exc = RuntimeError(f"gRPC {e.code().name}: {e.details()}")
+        except WrongAnswer as e:
+            exc = e
+        self.environment.events.request.fire(
+            request_type="grpc", name=f"grpc {s.label}", response_time=elapsed * 1000.0,
+            response_length=length, exception=exc, context={})

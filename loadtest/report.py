@@ -1,0 +1,115 @@
+"""Collect the summaries of many ``loadtest.run`` calls into one table (and plots).
+
+    python -m loadtest.report DIR [--out OUTDIR]
+
+Reads DIR/**/*_summary.json; writes OUTDIR/results.md (markdown table), OUTDIR/results.csv and,
+when matplotlib is importable, OUTDIR/<mix>_throughput.png and <mix>_p99.png (one line per
+transport and batching setting, against users). OUTDIR defaults to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+
+COLUMNS = ["mix", "transport", "batching", "users", "processes", "requests", "failures", "rps", "p50_ms",
+           "p95_ms", "p99_ms", "tflops", "q_tokens_per_s", "kv_tokens_per_s", "mean_batch", "memory"]
+
+
+def load(directory: Path) -> list[dict]:
+    rows = []
+    for path in sorted(directory.rglob("*_summary.json")):
+        s = json.loads(path.read_text())
+        c, r, b = s["config"], s["result"], s.get("batch_sizes") or {}
+        memory = "; ".join(f"{m['metric']} {m['growth'] / 2**20:+.0f} MiB "
+                           f"{'flat' if m['flat'] else 'GROWING'}" for m in s.get("memory") or [])
+        rows.append({
+            "mix": c["mix"], "transport": "+".join(c["user_classes"]),
+            "batching": c.get("labels", {}).get("batching", ""), "users": c["users"],
+            "processes": c["processes"], "requests": r.get("requests", 0), "failures": r.get("failures", 0),
+            **{k: r.get(k, math.nan) for k in ("rps", "p50_ms", "p95_ms", "p99_ms", "tflops",
+                                                "q_tokens_per_s", "kv_tokens_per_s")},
+            "mean_batch": b.get("mean") if b.get("mean") is not None else math.nan, "memory": memory,
+            "tag": c["tag"],
+        })
+    rows.sort(key=lambda r: (r["mix"], r["transport"], r["batching"], r["users"], r["tag"]))
+    return rows
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "–"
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    return str(v)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["mix", "transport", "batching", "users", "req/s", "p50 ms", "p95 ms", "p99 ms", "fail/req",
+            "TFLOP/s", "q tok/s", "kv tok/s", "mean batch", "memory"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["mix"], r["transport"], r["batching"], r["users"], r["rps"], r["p50_ms"], r["p95_ms"],
+                 r["p99_ms"], f"{r['failures']}/{r['requests']}", r["tflops"], r["q_tokens_per_s"],
+                 r["kv_tokens_per_s"], r["mean_batch"], r["memory"]]
+        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for mix in sorted({r["mix"] for r in rows}):
+        for key, ylabel in (("rps", "requests/s"), ("p99_ms", "p99 latency, ms")):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            series: dict[str, list[tuple[int, float]]] = {}
+            for r in rows:
+                if r["mix"] == mix:
+                    series.setdefault(f"{r['transport']} batching {r['batching'] or '?'}", []).append(
+                        (r["users"], r[key]))
+            for name, pts in sorted(series.items()):
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("users")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"attnserve, mix {mix}")
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+            path = out / f"{mix}_{'throughput' if key == 'rps' else 'p99'}.png"
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("directory", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    out = a.out or a.directory
+    out.mkdir(parents=True, exist_ok=True)
+    rows = load(a.directory)
+    (out / "results.md").write_text(markdown(rows))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[*COLUMNS, "tag"])
+        w.writeheader()
+        w.writerows(rows)
+    written = plots(rows, out)
+    print(markdown(rows))
+    print(f"wrote {out / 'results.md'}, {out / 'results.csv'}" + "".join(f", {p}" for p in written))
+
+
+if __name__ == "__main__":
+    main()

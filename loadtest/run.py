@@ -1,0 +1,361 @@
+"""Headless load test: run Locust on loadtest/locustfile.py, then print what the run measured.
+
+    python -m loadtest.run --host http://127.0.0.1:8000 --users 64 --run-time 60s --mix small \
+        --user-class st,grpc [--grpc-target 127.0.0.1:8001] [--processes 4] [--sample-memory PID]
+
+Writes to --reports-dir (default reports/): <tag>_stats.csv, _stats_history.csv, _failures.csv,
+_exceptions.csv and <tag>.html (Locust's), <tag>_final.json (every request, counted after the users
+stopped: what the summary is computed from), <tag>_summary.json (what is printed), and with
+--sample-memory <tag>_memory.csv. Prints requests/s, latency percentiles, failures, the attention
+throughput the successful requests carried (TFLOP/s, query and key tokens/s, from the shapes of
+the mix), the server's batch sizes over the run (its /metrics histograms named *batch_size*) and,
+when sampled, whether memory stayed flat. Exits 1 when any request failed or was answered wrongly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from loadtest import payloads
+
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+USER_CLASSES = {"st": "SafetensorsUser", "json": "JsonUser", "oip": "OipUser", "grpc": "GrpcUser"}
+
+
+# ---------------------------------------------------------------- Prometheus text
+
+
+def scrape(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict[str, float] | None:
+    """GET a Prometheus text page -> {'name{labels}': value}; None when it cannot be read."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+_SERIES = re.compile(r"^([^{]+)(?:\{(.*)\})?$")
+
+
+def batch_sizes(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """Requests per launch over the run, from the histograms whose name holds "batch_size"
+    (summed over their labels): launches, mean, and the launches per bucket ("<= le")."""
+    if not after:
+        return None
+    before = before or {}
+    count = total = 0.0
+    buckets: dict[float, float] = {}
+    names = set()
+    for key, value in after.items():
+        m = _SERIES.match(key)
+        if not m or "batch_size" not in m.group(1):
+            continue
+        name, labels = m.group(1), m.group(2) or ""
+        delta = value - before.get(key, 0.0)
+        if name.endswith("_count"):
+            count += delta
+            names.add(name[:-6])
+        elif name.endswith("_sum"):
+            total += delta
+        elif name.endswith("_bucket"):
+            le = re.search(r'le="([^"]+)"', labels)
+            if le:
+                bound = float(le.group(1))
+                buckets[bound] = buckets.get(bound, 0.0) + delta
+    if not names:
+        return None
+    per_bucket, prev = {}, 0.0
+    for bound in sorted(buckets):  # cumulative -> per bucket
+        per_bucket["+Inf" if math.isinf(bound) else f"{bound:g}"] = buckets[bound] - prev
+        prev = buckets[bound]
+    return {"histograms": sorted(names), "launches": count, "requests": total,
+            "mean": total / count if count else None,
+            "launches_by_size_le": {k: v for k, v in per_bucket.items() if v}}
+
+
+# ---------------------------------------------------------------- memory sampler
+
+
+def _tree_rss(pid: int) -> float:
+    """Resident bytes of a process and its descendants (Linux /proc)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += float(re.search(r"VmRSS:\s+(\d+)", status).group(1)) * 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, AttributeError):
+            continue
+    return total
+
+
+def _sample(source: str, api_key: str | None) -> dict[str, float]:
+    if source.isdigit():
+        return {"rss_bytes": _tree_rss(int(source))}
+    if source == "nvidia-smi":
+        try:
+            query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+            out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        return {f"gpu{i.strip()}_used_bytes": float(m) * 2**20
+                for i, m in (line.split(",") for line in out.strip().splitlines() if "," in line)}
+    url = source if urlparse(source).path not in ("", "/") else source.rstrip("/") + "/metrics"
+    metrics = scrape(url, api_key) or {}
+    return {k: v for k, v in metrics.items()
+            if re.search(r"memory|resident", k.split("{")[0]) and not k.split("{")[0].endswith("_created")}
+
+
+@dataclass
+class MemorySampler:
+    """Samples each source every ``interval`` s in a thread; writes time_s,source,metric,value rows.
+
+    A source is a PID (resident memory of it and its children), a server URL (its /metrics series
+    whose names hold "memory" or "resident", e.g. attnserve_gpu_memory_used_bytes), or nvidia-smi.
+    """
+
+    sources: list[str]
+    path: Path
+    interval: float = 5.0
+    api_key: str | None = None  # for a URL source of a server that needs one
+    rows: list[tuple[float, str, str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()  # one last sample after the load
+        with open(self.path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["time_s", "source", "metric", "value"])
+            w.writerows((f"{t:.1f}", s, m, f"{v:.0f}") for t, s, m, v in self.rows)
+
+    def _take(self) -> None:
+        t = time.monotonic() - self._t0
+        for s in self.sources:
+            for metric, value in _sample(s, self.api_key).items():
+                self.rows.append((t, s, metric, value))
+
+    def _loop(self) -> None:
+        while True:
+            self._take()
+            if self._stop.wait(self.interval):
+                return
+
+    def summary(self) -> list[dict]:
+        """Per series: first, max, last, and growth = median of the last quarter of the samples minus
+        the median of the second quarter (after warm-up). Flat: growth within max(5%, 64 MiB)."""
+        series: dict[tuple[str, str], list[float]] = {}
+        for _, s, m, v in self.rows:
+            series.setdefault((s, m), []).append(v)
+        out = []
+        for (s, m), vals in series.items():
+            n = len(vals)
+            q = max(1, n // 4)
+            early = statistics.median(vals[q:2 * q] if n >= 4 else vals[:1])
+            late = statistics.median(vals[-q:])
+            growth = late - early
+            out.append({"source": s, "metric": m, "samples": n, "first": vals[0], "max": max(vals),
+                        "last": vals[-1], "growth": growth,
+                        "flat": growth <= max(0.05 * early, 64 * 2**20)})
+        return out
+
+
+# ---------------------------------------------------------------- Locust's final statistics -> summary
+
+
+def summarize(final_stats: Path) -> dict:
+    """The locustfile's final statistics (--final-stats JSON) -> totals, per-request-name rows, and
+    the attention throughput the successful requests carried (names end in a shape label)."""
+    doc = json.loads(final_stats.read_text())
+    total = doc["total"]
+    if not total["requests"]:
+        return {"requests": 0, "failures": 0, "rps": 0.0, "per_name": [], "errors": doc["errors"]}
+    duration = total["duration_s"]
+    flops = q_tok = kv_tok = 0.0
+    for e in doc["entries"]:
+        ok = e["requests"] - e["failures"]
+        shape = payloads.SHAPES.get(payloads.label_of(e["name"]))
+        if shape is not None:
+            flops += ok * shape.flops
+            q_tok += ok * shape.q_tokens
+            kv_tok += ok * shape.kv_tokens
+    keys = ("requests", "failures", "rps", "p50_ms", "p95_ms", "p99_ms", "max_ms")
+    return {
+        **{k: total[k] for k in keys}, "duration_s": duration,
+        "tflops": flops / duration / 1e12,
+        "q_tokens_per_s": q_tok / duration, "kv_tokens_per_s": kv_tok / duration,
+        "per_name": [{"type": e["type"], "name": e["name"], **{k: e[k] for k in keys}}
+                     for e in sorted(doc["entries"], key=lambda e: e["name"])],
+        "errors": doc["errors"],
+    }
+
+
+def print_summary(s: dict, out=sys.stdout) -> None:
+    p = lambda *a: print(*a, file=out)
+    c = s["config"]
+    p(f"\n== {c['tag']}: {c['users']} users, mix {c['mix']}, {'+'.join(c['user_classes'])}, "
+      f"{c['processes']} process(es), {c['run_time']} ==")
+    r = s["result"]
+    if not r["requests"]:
+        p("no requests completed")
+        return
+    p(f"{'name':32} {'reqs':>8} {'fails':>6} {'req/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}")
+    for n in r["per_name"] + [{**r, "name": "Aggregated"}]:
+        p(f"{n['name'][:32]:32} {n['requests']:>8} {n['failures']:>6} {n['rps']:>9.2f} "
+          f"{n['p50_ms']:>8.0f} {n['p95_ms']:>8.0f} {n['p99_ms']:>8.0f}")
+    p(f"throughput: {r['rps']:.1f} req/s, {r['tflops']:.3f} TFLOP/s, "
+      f"{r['q_tokens_per_s']:,.0f} query tokens/s, {r['kv_tokens_per_s']:,.0f} key tokens/s "
+      f"(successful requests, over {r['duration_s']:.1f} s)")
+    p(f"failures: {r['failures']} of {r['requests']}")
+    for e in r.get("errors", [])[:10]:
+        p(f"  {e['occurrences']}x {e['type']} {e['name']}: {e['error'][:300]}")
+    b = s.get("batch_sizes")
+    if b is None:
+        p("server batch sizes: no *batch_size* histogram on /metrics")
+    else:
+        mean = "n/a" if b["mean"] is None else f"{b['mean']:.2f}"
+        p(f"server batch sizes ({', '.join(b['histograms'])}): {b['launches']:.0f} launches, "
+          f"mean {mean} requests/launch; launches by size <= le: {b['launches_by_size_le']}")
+    for m in s.get("memory") or []:
+        p(f"memory {m['source']} {m['metric']}: first {m['first'] / 2**20:.0f} MiB, "
+          f"max {m['max'] / 2**20:.0f} MiB, last {m['last'] / 2**20:.0f} MiB, "
+          f"growth {m['growth'] / 2**20:+.0f} MiB over "
+          f"{m['samples']} samples -> {'flat' if m['flat'] else 'GROWING'}")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default=os.environ.get("LOADTEST_HOST", "http://127.0.0.1:8000"),
+                    help="HTTP base URL of the server [env LOADTEST_HOST]")
+    ap.add_argument("--grpc-target", default="", help="host:port of gRPC (default: the host, port 8001)")
+    ap.add_argument("--users", "-u", type=int, default=16)
+    ap.add_argument("--spawn-rate", "-r", type=float, default=None,
+                    help="users started per second (default: all in 1 s)")
+    ap.add_argument("--run-time", "-t", default="30s", help="e.g. 30s, 5m")
+    ap.add_argument("--processes", type=int, default=1, help="Locust worker processes (-1: one per CPU)")
+    ap.add_argument("--mix", default=os.environ.get("LOADTEST_MIX", "small"), choices=sorted(payloads.MIXES))
+    ap.add_argument("--user-class", default="st",
+                    help=f"comma-separated: {', '.join(f'{k} ({v})' for k, v in USER_CLASSES.items())}")
+    ap.add_argument("--tag", default=None, help="report file prefix (default: <mix>_<classes>_u<users>)")
+    ap.add_argument("--reports-dir", default="reports")
+    ap.add_argument("--no-html", action="store_true", help="skip Locust's HTML report")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="client-side timeout per request, s")
+    ap.add_argument("--api-key", default=os.environ.get("LOADTEST_API_KEY"), help="[env LOADTEST_API_KEY]")
+    ap.add_argument("--sample-memory", action="append", default=[], metavar="PID|URL|nvidia-smi",
+                    help="sample memory during the run (repeatable): a PID's resident set (with children), a "
+                         "server URL's /metrics memory series, or nvidia-smi; writes <tag>_memory.csv")
+    ap.add_argument("--sample-interval", type=float, default=5.0, help="seconds between memory samples")
+    ap.add_argument("--stop-timeout", type=float, default=10.0,
+                    help="seconds users may take to finish the request in flight at the end")
+    ap.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                    help="recorded in the summary's config (e.g. batching=off), for loadtest.report")
+    ap.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics for batch sizes")
+    ap.add_argument("locust_args", nargs=argparse.REMAINDER, help="after --: passed to locust unchanged")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    classes = [c.strip() for c in a.user_class.split(",") if c.strip()]
+    unknown = [c for c in classes if c not in USER_CLASSES]
+    if unknown or not classes:
+        raise SystemExit(f"unknown --user-class {unknown}; choose from {', '.join(USER_CLASSES)}")
+    host = a.host.rstrip("/")
+    grpc_target = a.grpc_target or f"{urlparse(host).hostname}:8001"
+    tag = a.tag or f"{a.mix}_{'+'.join(classes)}_u{a.users}"
+    reports = Path(a.reports_dir)
+    reports.mkdir(parents=True, exist_ok=True)
+    prefix = reports / tag
+    spawn_rate = a.spawn_rate or max(1.0, float(a.users))
+
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+           "-H", host, "-u", str(a.users), "-r", f"{spawn_rate:g}", "-t", a.run_time,
+           "--stop-timeout", f"{a.stop_timeout:g}",
+           "--csv", str(prefix), "--mix", a.mix, "--grpc-target", grpc_target,
+           "--request-timeout", f"{a.request_timeout:g}", "--final-stats", f"{prefix}_final.json",
+           "--loglevel", "WARNING"]
+    if a.api_key:
+        cmd += ["--api-key", a.api_key]
+    if not a.no_html:
+        cmd += ["--html", f"{prefix}.html"]
+    if a.processes != 1:
+        cmd += ["--processes", str(a.processes)]
+    cmd += [a for a in a.locust_args if a != "--"] + [USER_CLASSES[c] for c in classes]
+
+    final = Path(f"{prefix}_final.json")
+    final.unlink(missing_ok=True)
+    metrics_url = host + "/metrics"
+    before = None if a.no_metrics else scrape(metrics_url, a.api_key)
+    sampler = None
+    if a.sample_memory:
+        sampler = MemorySampler(a.sample_memory, Path(f"{prefix}_memory.csv"), a.sample_interval, a.api_key)
+        sampler.start()
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, env=env, cwd=root)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:  # let Locust write its reports
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait()
+    if sampler is not None:
+        sampler.stop()
+    after = None if a.no_metrics else scrape(metrics_url, a.api_key)
+
+    summary = {
+        "config": {"tag": tag, "host": host, "grpc_target": grpc_target, "users": a.users,
+                   "spawn_rate": spawn_rate, "run_time": a.run_time, "processes": a.processes,
+                   "mix": a.mix, "user_classes": classes, "labels": dict(kv.split("=", 1) for kv in a.label),
+                   "reports_prefix": str(prefix)},
+        "result": summarize(final) if final.exists() else {"requests": 0, "failures": 0, "per_name": []},
+        "batch_sizes": batch_sizes(before, after),
+        "memory": sampler.summary() if sampler else None,
+        "locust_exit_code": rc,
+    }
+    Path(f"{prefix}_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print_summary(summary)
+    failed = rc != 0 or summary["result"]["failures"] > 0 or summary["result"]["requests"] == 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

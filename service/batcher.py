@@ -1,0 +1,276 @@
+"""The dynamic batcher (API.md §9), in Ray Serve's shape (``serve/batching.py``).
+
+Each request waits as a ``Pending`` (its request, its batch key, a future). Requests of one key
+can share a launch: they are concatenated along B. One dispatcher task hands batches to workers:
+
+- a worker that is idle never waits: the oldest queued request's key goes at once, with every
+  request of that key queued so far (up to ``max_batch_tokens``), to the least-loaded idle worker;
+  so a lone request pays no batching delay;
+- while every worker is busy, arrivals gather; a batch closes (and is staged on the least-loaded
+  worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or its oldest
+  request has waited ``max_queue_delay_ms``;
+- keys are served oldest first, so one key cannot starve another.
+
+A batch step resolves exactly one future per request, fans an error out to exactly the requests
+it concerns, and checks the count of answers. The queue is bounded (``max_queue_size`` requests
+queued or running): beyond it ``submit`` refuses at once with ``QueueFull``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from .metrics import Metrics
+from .settings import Settings
+from .types import AttentionRequest, LayerRequest
+from .worker import Worker
+
+log = logging.getLogger("attnserve.batcher")
+
+STAGED_PER_WORKER = 2  # one launch running + one batch closed and waiting behind it
+
+
+@dataclass(eq=False)
+class Pending:
+    """A request waiting for its answer: exactly one of set_result/set_exception ever happens."""
+
+    request: AttentionRequest | LayerRequest
+    key: Hashable  # requests of equal keys may share a launch
+    tokens: int  # query tokens, B·Nq (what --max-batch-tokens counts)
+    memory: int  # device bytes a launch of this request alone needs
+    kind: str  # "attention" or "layer" (metrics label)
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    enqueued: float = field(default_factory=time.monotonic)
+    launched: bool = False
+    released: bool = False  # no longer counted as held
+
+    def resolve(self, outcome) -> None:
+        if self.future.done():  # the caller gave up (deadline, disconnect): nothing to tell
+            return
+        if isinstance(outcome, BaseException):
+            self.future.set_exception(outcome)
+        else:
+            self.future.set_result(outcome)
+
+
+class Batcher:
+    def __init__(self, workers: Sequence[Worker], settings: Settings, metrics: Metrics):
+        self.workers = list(workers)
+        self.settings = settings
+        self.metrics = metrics
+        self._queues: dict[Hashable, deque[Pending]] = {}  # key -> FIFO of its pending requests
+        self._queued = 0
+        self._held = 0  # queued + running
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._latency_ema = 0.01  # seconds a launch takes, for Retry-After
+
+    # ---- the caller's side ----------------------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._dispatch_loop(), name="attnserve-batcher")
+
+    async def submit(self, pending: Pending):
+        """Queue ``pending`` and await its answer (or its error)."""
+        if self._held >= self.settings.max_queue_size:
+            retry = min(30.0, max(0.05, self._latency_ema * self._held / max(1, len(self.workers))))
+            raise QueueFull(
+                f"the server holds {self._held} requests (--max-queue-size "
+                f"{self.settings.max_queue_size}); retry after {retry:.2f}s",
+                retry_after_s=retry,
+            )
+        self._queues.setdefault(pending.key, deque()).append(pending)
+        self._queued += 1
+        self._held += 1
+        self._idle.clear()
+        self._gauges()
+        self._wake.set()
+        deadline = pending.request.deadline
+        if deadline is not None:  # req.deadline is on time.monotonic()'s clock; the loop may have its own
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + (deadline - time.monotonic())
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await pending.future
+        except TimeoutError:
+            raise DeadlineExceeded("the request's deadline passed before it was answered") from None
+        finally:
+            if not pending.launched:  # deadline passed or caller cancelled while queued: drop it
+                pending.future.cancel()
+                self._remove_queued(pending)
+                self._release(pending)
+
+    def _remove_queued(self, pending: Pending) -> None:
+        q = self._queues.get(pending.key)
+        if q is not None and pending in q:
+            q.remove(pending)
+            self._queued -= 1
+            if not q:
+                del self._queues[pending.key]
+            self._gauges()
+
+    def _release(self, pending: Pending) -> None:
+        """Count a request as no longer held (once: when answered, or dropped before launch)."""
+        if pending.released:
+            return
+        pending.released = True
+        self._held -= 1
+        self._gauges()
+        if self._held == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until nothing is queued or running (used by drain)."""
+        await self._idle.wait()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for pendings in self._queues.values():
+            for p in pendings:
+                p.resolve(Unavailable("the server is shutting down"))
+        self._queues.clear()
+
+    def _gauges(self) -> None:
+        self.metrics.queue_depth.set(self._queued)
+        self.metrics.pending.set(self._held)
+
+    # ---- the dispatcher ---------------------------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                timeout = self._dispatch()
+            except Exception:  # a bug here must not stop every later request: log, fail the queue
+                log.exception("the batcher's dispatch failed; failing the queued requests")
+                for pendings in self._queues.values():
+                    for p in pendings:
+                        p.resolve(ServiceError("internal error in the batcher; the request was not served"))
+                timeout = None
+            if timeout is None:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _dispatch(self) -> float | None:
+        """Hand out every batch the policy allows now; return how long until the next may close."""
+        batching = self.settings.batching
+        delay = self.settings.max_queue_delay_ms / 1000.0
+        while self._queues:
+            now = time.monotonic()
+            idle = [w for w in self.workers if w.inflight == 0]
+            if idle:
+                # Idle workers share the oldest key's queue evenly rather than the first taking all.
+                key = self._oldest_key()
+                share = -(-sum(p.tokens for p in self._queues[key]) // len(idle))  # ceil
+                self._launch(self._least_loaded(idle), self._take(key, share))
+                continue
+            free = [w for w in self.workers if w.inflight < STAGED_PER_WORKER]
+            if not free:
+                return None  # a finishing launch wakes us
+            if not batching:  # one request per launch: stage the oldest at once
+                self._launch(self._least_loaded(free), self._take(self._oldest_key()))
+                continue
+            wait = None
+            for key in self._keys_oldest_first():
+                q = self._queues[key]
+                waited = now - q[0].enqueued
+                if sum(p.tokens for p in q) >= self.settings.max_batch_tokens or waited >= delay:
+                    self._launch(self._least_loaded(free), self._take(key))
+                    break
+                wait = delay - waited if wait is None else min(wait, delay - waited)
+            else:
+                return wait
+        return None
+
+    def _oldest_key(self) -> Hashable:
+        return min(self._queues, key=lambda k: self._queues[k][0].enqueued)
+
+    def _keys_oldest_first(self) -> list[Hashable]:
+        return sorted(self._queues, key=lambda k: self._queues[k][0].enqueued)
+
+    @staticmethod
+    def _least_loaded(workers: list[Worker]) -> Worker:
+        return min(workers, key=lambda w: (w.inflight, w.inflight_tokens))
+
+    def _take(self, key: Hashable, max_tokens: int | None = None) -> list[Pending]:
+        """Pop the head of ``key``'s queue: up to ``max_tokens`` (default and at most
+        max_batch_tokens) and the worker's memory budget; always at least one request."""
+        limit = min(max_tokens or self.settings.max_batch_tokens, self.settings.max_batch_tokens)
+        q = self._queues[key]
+        batch: list[Pending] = []
+        tokens = memory = 0
+        budget = min((w.memory_budget for w in self.workers), default=0) or None
+        while q:
+            p = q[0]
+            if batch and (
+                not self.settings.batching
+                or tokens + p.tokens > limit
+                or (budget is not None and memory + p.memory > budget)
+            ):
+                break
+            q.popleft()
+            batch.append(p)
+            tokens += p.tokens
+            memory += p.memory
+        if not q:
+            del self._queues[key]
+        self._queued -= len(batch)
+        self._gauges()
+        return batch
+
+    def _launch(self, worker: Worker, batch: list[Pending]) -> None:
+        now = time.monotonic()
+        tokens = sum(p.tokens for p in batch)
+        for p in batch:
+            p.launched = True
+            self.metrics.queue_duration.labels(p.kind).observe(now - p.enqueued)
+        worker.inflight += 1
+        worker.inflight_tokens += tokens
+        task = asyncio.create_task(self._run_batch(worker, batch, tokens))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run_batch(self, worker: Worker, batch: list[Pending], tokens: int) -> None:
+        """The batch step: exactly one answer per request, errors only to the requests they concern."""
+        t0 = time.monotonic()
+        try:
+            outcomes = await worker.run([p.request for p in batch])
+            if len(outcomes) != len(batch):
+                raise RuntimeError(
+                    f"worker {worker.name} gave {len(outcomes)} answers for {len(batch)} requests"
+                )
+        except Exception as exc:  # noqa: BLE001 - a worker-level failure fails its batch only
+            log.exception("batch of %d on %s failed", len(batch), worker.name)
+            error = (
+                exc
+                if isinstance(exc, ServiceError)
+                else ServiceError("internal error while running a batch; the request was not served")
+            )
+            outcomes = [error] * len(batch)
+        finally:
+            worker.inflight -= 1
+            worker.inflight_tokens -= tokens
+            self._latency_ema = 0.9 * self._latency_ema + 0.1 * (time.monotonic() - t0)
+            self._wake.set()
+        for p, outcome in zip(batch, outcomes, strict=True):
+            p.resolve(outcome)
+            self._release(p)

@@ -1,0 +1,142 @@
+"""Python client of the native HTTP API (API.md §2): torch tensors in, torch tensors out, over
+safetensors (the fast path).
+
+    from service.client import AttentionClient
+    with AttentionClient("http://localhost:8000", api_key=None) as client:
+        o = client.attention(q, k, v, causal=True)                 # q: (B, Hq, Nq, D)
+        o, lse = client.attention(q, k, v, return_lse=True)
+        client.layers()                                            # [{"name", "family", ...}]
+        y = client.call_layer("minilm0", x)                        # x: (B, N, hidden)
+        client.ready()                                             # True once the server is warm
+
+Errors raise ``AttentionServiceError`` carrying the HTTP ``status``, the service's ``code`` and its
+``message`` (and ``retry_after_s`` on 429).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import orjson
+import safetensors.torch
+import torch
+
+SAFETENSORS = "application/x-safetensors"
+
+
+class AttentionServiceError(Exception):
+    """An error answer of the service: ``status`` (HTTP), ``code`` (e.g. "invalid_input"), ``message``."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message, self.retry_after_s = status, code, message, retry_after_s
+
+
+def _pack(tensors: dict[str, torch.Tensor | None]) -> bytes:
+    return safetensors.torch.save(
+        {k: t.detach().to("cpu").contiguous() for k, t in tensors.items() if t is not None}
+    )
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+class AttentionClient:
+    """A synchronous client (httpx, connection pooling); safe to share between threads."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float | None = 60.0,
+        request_timeout_ms: float | None = None,
+    ):
+        headers = {"X-API-Key": api_key} if api_key else {}
+        if request_timeout_ms is not None:
+            headers["X-Request-Timeout-Ms"] = str(request_timeout_ms)
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AttentionClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _post(
+        self, path: str, tensors: dict[str, torch.Tensor | None], params: dict[str, str]
+    ) -> dict[str, torch.Tensor]:
+        r = self._http.post(
+            path, content=_pack(tensors), params=params, headers={"Content-Type": SAFETENSORS}
+        )
+        self._raise_for_error(r)
+        return safetensors.torch.load(r.content)
+
+    @staticmethod
+    def _raise_for_error(r: httpx.Response) -> None:
+        if r.status_code < 400:
+            return
+        code, message = "http_error", r.text
+        try:
+            err = orjson.loads(r.content)["error"]
+            code, message = (err["code"], err["message"]) if isinstance(err, dict) else (code, str(err))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            pass
+        retry = r.headers.get("retry-after")
+        raise AttentionServiceError(r.status_code, code, message, float(retry) if retry else None)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        kv_lengths: torch.Tensor | None = None,
+        return_lse: bool = False,
+        layout: str = "bhnd",
+        kernel: str = "auto",
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D) ((B, N, H, D) with layout="bnhd") -> o [, lse]."""
+        params = {
+            "causal": _bool(causal),
+            "return_lse": _bool(return_lse),
+            "layout": layout,
+            "kernel": kernel,
+        }
+        if scale is not None:
+            params["scale"] = repr(float(scale))
+        out = self._post("/attention", {"q": q, "k": k, "v": v, "kv_lengths": kv_lengths}, params)
+        return (out["o"], out["lse"]) if return_lse else out["o"]
+
+    def layers(self) -> list[dict[str, Any]]:
+        r = self._http.get("/layers")
+        self._raise_for_error(r)
+        return r.json()["layers"]
+
+    def call_layer(
+        self,
+        name: str,
+        x: torch.Tensor,
+        causal: bool = False,
+        positions: torch.Tensor | None = None,
+        kv_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: (B, N, hidden) -> y: (B, N, hidden)."""
+        out = self._post(
+            f"/layers/{quote(name, safe='')}",
+            {"x": x, "positions": positions, "kv_lengths": kv_lengths},
+            {"causal": _bool(causal)},
+        )
+        return out["y"]
+
+    def ready(self) -> bool:
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False

@@ -1,0 +1,165 @@
+"""Shared gRPC plumbing: attention.v1 messages <-> internal requests/results and torch tensors (both
+directions, for ``grpc_server`` and ``grpc_client``), call deadlines, and concurrent calls on one stream
+(``AttendStream``, ``ModelStreamInfer``). Wire conversion only: every check of shapes, dtypes and
+options beyond decoding belongs to the engine and the kernels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import torch
+
+from . import codec
+from .errors import BadRequest, InvalidInput
+from .protogen import attention_stubs
+from .types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
+
+pb = attention_stubs().attention_pb2
+
+# DType enum number <-> torch dtype (the enum's names are codec.DTYPES' keys, upper-cased)
+DTYPE_OF_ENUM: dict[int, torch.dtype] = {
+    v.number: codec.DTYPES[v.name.lower()] for v in pb.DType.DESCRIPTOR.values if v.number
+}
+ENUM_OF_DTYPE: dict[torch.dtype, int] = {d: n for n, d in DTYPE_OF_ENUM.items()}
+
+
+def tensor_from_pb(parent, field: str, *, required: bool = True) -> torch.Tensor | None:
+    """``parent.<field>`` (an attention.v1.Tensor) -> a torch tensor sharing the message's bytes."""
+    if not parent.HasField(field):
+        if required:
+            raise BadRequest(f"missing tensor {field!r}")
+        return None
+    msg = getattr(parent, field)
+    if msg.dtype not in DTYPE_OF_ENUM:
+        raise BadRequest(f"{field}: dtype {msg.dtype} is not set or unknown; use one of "
+                         f"{', '.join(pb.DType.Name(n) for n in DTYPE_OF_ENUM)}")
+    return codec.tensor_from_bytes(msg.data, list(msg.shape), DTYPE_OF_ENUM[msg.dtype], name=field)
+
+
+def tensor_to_pb(t: torch.Tensor):
+    """A torch tensor -> attention.v1.Tensor (little-endian, row-major)."""
+    if t.dtype not in ENUM_OF_DTYPE:
+        raise InvalidInput(f"dtype {t.dtype} cannot travel as an attention.v1.Tensor")
+    return pb.Tensor(shape=list(t.shape), dtype=ENUM_OF_DTYPE[t.dtype], data=codec.tensor_to_bytes(t))
+
+
+def dtype_to_pb(dtype: torch.dtype | str) -> int:
+    if isinstance(dtype, str):
+        dtype = codec.DTYPES.get(dtype.removeprefix("torch."), dtype)
+    return ENUM_OF_DTYPE.get(dtype, pb.DTYPE_UNSPECIFIED)
+
+
+# ---- server side: request message -> internal request; internal result -> response message ----
+
+def attention_request(msg, *, deadline: float | None, request_id: str | None = None) -> AttentionRequest:
+    """attention.v1.AttendRequest -> AttentionRequest (q/k/v views in bhnd)."""
+    q, k, v = (tensor_from_pb(msg, name) for name in ("q", "k", "v"))
+    layout = msg.layout or "bhnd"
+    if layout not in LAYOUTS:
+        raise BadRequest(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    if layout == "bnhd" and any(t.dim() != 4 for t in (q, k, v)):  # from_layout transposes dims 1, 2
+        raise InvalidInput(f"q, k, v must have 4 dims [B, N, H, D], got {list(q.shape)}, {list(k.shape)}, "
+                           f"{list(v.shape)}")
+    options = {"request_id": msg.request_id or request_id} if (msg.request_id or request_id) else {}
+    return AttentionRequest.from_layout(
+        q, k, v, layout=layout, causal=msg.causal, scale=msg.scale if msg.HasField("scale") else None,
+        return_lse=msg.return_lse, kv_lengths=tensor_from_pb(msg, "kv_lengths", required=False),
+        kernel=msg.kernel or "auto", deadline=deadline, **options,
+    )
+
+
+def attend_response(res: AttentionResult):
+    lse = tensor_to_pb(res.lse) if res.lse is not None else None
+    return pb.AttendResponse(o=tensor_to_pb(res.o), lse=lse, request_id=res.request_id)
+
+
+def layer_request(msg, *, deadline: float | None) -> LayerRequest:
+    """attention.v1.LayerRequest -> LayerRequest."""
+    options = {"request_id": msg.request_id} if msg.request_id else {}
+    return LayerRequest(
+        layer=msg.layer, x=tensor_from_pb(msg, "x"), causal=msg.causal,
+        positions=tensor_from_pb(msg, "positions", required=False),
+        kv_lengths=tensor_from_pb(msg, "kv_lengths", required=False), deadline=deadline, **options,
+    )
+
+
+def layer_response(res: LayerResult):
+    return pb.LayerResponse(y=tensor_to_pb(res.y), request_id=res.request_id)
+
+
+def layer_info(info):
+    return pb.LayerInfo(name=info.name, family=info.family, hidden_size=info.hidden_size,
+                        num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                        dtype=dtype_to_pb(info.dtype))
+
+
+OFFLOAD_BYTES = 1 << 20  # convert messages bigger than this in a thread, off the event loop
+
+
+async def offload(nbytes: int, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, in a thread when it converts more than OFFLOAD_BYTES (inline otherwise)."""
+    if nbytes > OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def result_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def deadline_of(context) -> float | None:
+    """The call's gRPC deadline as a ``time.monotonic()`` instant (None: the engine's default applies)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+# ---- concurrent calls on one stream -----------------------------------------------------------
+
+_END = object()
+
+
+async def run_concurrently(requests: AsyncIterator, handle: Callable[[int, object], Awaitable[object]],
+                           window: int) -> AsyncIterator:
+    """Yield ``await handle(i, request)`` for each request of the stream, concurrently, in completion
+    order. At most ``window`` calls are in flight; an exception of ``handle`` ends the stream."""
+    done: asyncio.Queue = asyncio.Queue()
+    slots = asyncio.Semaphore(window)
+    tasks: set[asyncio.Task] = set()
+
+    async def one(i: int, request) -> None:
+        try:
+            done.put_nowait((await handle(i, request), None))
+        except Exception as exc:
+            done.put_nowait((None, exc))
+        finally:
+            slots.release()
+
+    async def read() -> None:
+        try:
+            i = 0
+            async for request in requests:
+                await slots.acquire()
+                task = asyncio.create_task(one(i, request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                i += 1
+            while tasks:
+                await asyncio.wait(set(tasks))
+        except Exception as exc:
+            done.put_nowait((None, exc))
+        done.put_nowait(_END)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (item := await done.get()) is not _END:
+            result, exc = item
+            if exc is not None:
+                raise exc
+            yield result
+    finally:
+        reader.cancel()
+        for task in list(tasks):
+            task.cancel()

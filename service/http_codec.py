@@ -1,0 +1,504 @@
+"""HTTP wire format <-> the internal request/result types, for the native routes (``http_app``) and
+the Open Inference Protocol routes (``http_oip``). No kernel, queue or shape logic here: shapes and
+dtypes are checked by the engine/kernels (422); this module only refuses what it cannot decode (400).
+
+Encodings of a tensor (API.md §2):
+    safetensors   the body is a safetensors file; parsed without copying the tensor bytes
+    list          JSON nested lists of numbers
+    flat          JSON {"shape": [...], "dtype": "...", "data": [flat numbers]}
+    base64        JSON {"shape": [...], "dtype": "...", "data": "<base64 of little-endian bytes>"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import math
+import struct
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import orjson
+import torch
+from starlette.requests import ClientDisconnect, Request
+
+import kernels
+
+from .codec import DTYPE_NAMES, dtype_from_name, tensor_from_bytes, tensor_to_bytes
+from .errors import BadRequest, DeadlineExceeded, PayloadTooLarge, UnsupportedMediaType
+from .settings import Settings
+from .types import LAYOUTS, AttentionRequest, LayerRequest
+
+T = TypeVar("T")
+
+SAFETENSORS = "application/x-safetensors"
+JSON = "application/json"
+
+ATTENTION_OPTIONS = ("causal", "scale", "layout", "return_lse", "kernel")
+LAYER_OPTIONS = ("causal",)
+ATTENTION_TENSORS = ("q", "k", "v", "kv_lengths")
+LAYER_TENSORS = ("x", "positions", "kv_lengths")
+INT_TENSORS = ("kv_lengths", "positions")  # nested lists of these are integers
+SAFETENSORS_IGNORED_METADATA = ("format",)  # written by transformers/safetensors tools ("pt")
+
+MAX_DIMS = 8  # deepest tensor we decode; also bounds nested-list recursion
+MAX_JSON_ELEMENTS = 1 << 27  # numbers in one JSON tensor
+OFFLOAD_BYTES = 1 << 18  # decode/encode bodies larger than this in a thread, off the event loop
+
+# safetensors dtype names (the kernels refuse the ones they do not run, with a 422)
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+ST_NAMES: dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+# ---------------------------------------------------------------- body, deadline, engine call
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body, read chunk by chunk; 413 as soon as it passes ``limit`` bytes."""
+    too_large = PayloadTooLarge(
+        f"the request body is over the limit of {limit / 2**20:g} MiB (--max-body-mb)"
+    )
+    declared = request.headers.get("content-length")
+    expected: int | None = None
+    if declared is not None:
+        try:
+            expected = int(declared)
+        except ValueError:
+            raise BadRequest(f"Content-Length {declared!r} is not an integer") from None
+        if expected > limit:
+            raise too_large
+    buf = bytearray(expected) if expected is not None else bytearray()
+    pos = 0
+    try:
+        async for chunk in request.stream():
+            end = pos + len(chunk)
+            if end > limit:
+                raise too_large
+            if expected is not None:
+                if end > expected:
+                    raise BadRequest("the body is longer than its Content-Length")
+                buf[pos:end] = chunk
+            else:
+                buf += chunk
+            pos = end
+    except ClientDisconnect:
+        raise BadRequest("the client disconnected before sending the whole body") from None
+    if expected is not None and pos != expected:
+        raise BadRequest(f"the body has {pos} bytes, its Content-Length says {expected}")
+    return buf
+
+
+def deadline_from(header: str | None, settings: Settings, arrived: float) -> float:
+    """``X-Request-Timeout-Ms`` (else ``--request-timeout-ms``) -> a ``time.monotonic()`` deadline."""
+    ms: float = settings.request_timeout_ms
+    if header is not None:
+        try:
+            ms = float(header)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and ms >= 0):
+            raise BadRequest(
+                f"X-Request-Timeout-Ms must be a non-negative number of milliseconds, got {header!r}"
+            )
+    return arrived + ms / 1000.0
+
+
+async def with_deadline(call: Callable[[], Awaitable[T]], deadline: float) -> T:
+    """Await an engine call, giving up with 504 when ``deadline`` passes (the engine also drops
+    requests whose deadline passed before launch)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded("the request deadline passed before the request was queued")
+    try:
+        async with asyncio.timeout(remaining):
+            return await call()
+    except TimeoutError:
+        raise DeadlineExceeded("the request deadline passed before an answer was ready") from None
+
+
+async def offload(big: bool, fn: Callable[..., T], *args: Any) -> T:
+    """Run CPU-heavy decoding/encoding in a thread when the payload is big, inline otherwise."""
+    return await asyncio.to_thread(fn, *args) if big else fn(*args)
+
+
+# ---------------------------------------------------------------- options
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        if value.strip().lower() in _TRUE:
+            return True
+        if value.strip().lower() in _FALSE:
+            return False
+    raise BadRequest(f"option {name!r} must be a boolean (true/false), got {value!r}")
+
+
+def parse_scale(value: Any) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    if isinstance(value, bool):
+        raise BadRequest(f"option 'scale' must be a number, got {value!r}")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"option 'scale' must be a number, got {value!r}") from None
+    if not math.isfinite(scale):
+        raise BadRequest(f"option 'scale' must be finite, got {value!r}")
+    return scale
+
+
+def parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise BadRequest(f"option {name!r} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def attention_options(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Raw option values (query strings, metadata strings, JSON values) -> AttentionRequest kwargs."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in ("causal", "return_lse"):
+            out[name] = parse_bool(name, value)
+        elif name == "scale":
+            out[name] = parse_scale(value)
+        elif name == "layout":
+            out[name] = parse_choice(name, value, LAYOUTS)
+        elif name == "kernel":
+            out[name] = parse_choice(name, value, kernels.KERNELS)
+    return out
+
+
+def merge_options(allowed: tuple[str, ...], *sources: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge option sources (later ones win); an unknown name is a 400, so typos are not ignored."""
+    merged: dict[str, Any] = {}
+    for source in sources:
+        for name, value in source.items():
+            if name not in allowed:
+                raise BadRequest(f"unknown option {name!r}; the options are {', '.join(allowed)}")
+            merged[name] = value
+    return merged
+
+
+# ---------------------------------------------------------------- safetensors
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """A view into a request buffer at an odd offset is copied, so kernels see aligned memory."""
+    return t if t.numel() == 0 or t.data_ptr() % t.element_size() == 0 else t.clone()
+
+
+def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file -> (tensors viewing ``body``, string metadata). Never copies tensor bytes
+    (unless misaligned); never executes anything from the body."""
+    if len(body) < 8:
+        raise BadRequest("the body is not a safetensors file (shorter than its 8-byte header length)")
+    (hlen,) = struct.unpack_from("<Q", body, 0)
+    if hlen > len(body) - 8:
+        raise BadRequest("the body is not a safetensors file (header length past the end of the body)")
+    try:
+        header = orjson.loads(memoryview(body)[8 : 8 + hlen])
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise BadRequest("the safetensors header must be a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise BadRequest("safetensors __metadata__ must map names to strings")
+    data = memoryview(body)[8 + hlen :]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        try:
+            dtype = ST_DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise BadRequest(
+                f"safetensors entry {name!r} needs a known dtype ({', '.join(ST_DTYPES)}), a shape and "
+                "data_offsets [begin, end]"
+            ) from None
+        if not 0 <= begin <= end <= len(data):
+            raise BadRequest(f"safetensors entry {name!r}: data_offsets {[begin, end]} lie outside the body")
+        if len(shape) > MAX_DIMS:
+            raise BadRequest(f"{name}: at most {MAX_DIMS} dims")
+        tensors[name] = aligned(tensor_from_bytes(data[begin:end], shape, dtype, name))
+    return tensors, {k: v for k, v in metadata.items() if k not in SAFETENSORS_IGNORED_METADATA}
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> memoryview:
+    """Tensors -> one safetensors file, written into a single buffer (one copy of the data)."""
+    tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": ST_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = orjson.dumps(header)
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writers do
+    buf = bytearray(8 + len(head) + offset)
+    struct.pack_into("<Q", buf, 0, len(head))
+    buf[8 : 8 + len(head)] = head
+    out = memoryview(buf)
+    pos = 8 + len(head)
+    for t in tensors.values():
+        n = t.numel() * t.element_size()
+        if n:
+            out[pos : pos + n] = t.reshape(-1).view(torch.uint8).numpy()
+        pos += n
+    return out
+
+
+# ---------------------------------------------------------------- JSON tensors
+
+
+def _nested_shape(value: Any, name: str) -> list[int]:
+    """Shape of a nested list read along its first elements (torch checks that it is rectangular)."""
+    shape: list[int] = []
+    while isinstance(value, list):
+        shape.append(len(value))
+        if len(shape) > MAX_DIMS:
+            raise BadRequest(f"{name}: nested lists deeper than {MAX_DIMS} dims")
+        if not value:
+            break
+        value = value[0]
+    return shape
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def json_tensor(value: Any, name: str, default_dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """One JSON tensor (nested list, or {"shape","dtype","data"}) -> (tensor, its encoding)."""
+    if isinstance(value, list):
+        shape = _nested_shape(value, name)
+        if _numel(shape) > MAX_JSON_ELEMENTS:
+            raise PayloadTooLarge(f"{name}: more than {MAX_JSON_ELEMENTS} numbers in one JSON tensor")
+        return _list_to_tensor(value, name, default_dtype), "list"
+    if not isinstance(value, dict):
+        raise BadRequest(f"{name} must be a nested list of numbers or an object {{shape, dtype, data}}")
+    unknown = set(value) - {"shape", "dtype", "data"}
+    if unknown or "shape" not in value or "data" not in value:
+        raise BadRequest(f"{name}: a tensor object has exactly the keys shape, dtype (optional), data")
+    shape = value["shape"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise BadRequest(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative integers")
+    dtype_name = value.get("dtype")
+    if dtype_name is not None and not isinstance(dtype_name, str):
+        raise BadRequest(f"{name}: dtype must be a string such as 'float16'")
+    dtype = default_dtype if dtype_name is None else dtype_from_name(dtype_name)
+    data = value["data"]
+    if isinstance(data, str):
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(f"{name}: data is not valid base64") from None
+        return aligned(tensor_from_bytes(raw, shape, dtype, name)), "base64"
+    if isinstance(data, list):
+        numel = _numel(shape)
+        if numel > MAX_JSON_ELEMENTS:
+            raise PayloadTooLarge(f"{name}: more than {MAX_JSON_ELEMENTS} numbers in one JSON tensor")
+        if len(data) != numel:
+            raise BadRequest(f"{name}: {len(data)} numbers in data do not match shape {shape} ({numel})")
+        return _list_to_tensor(data, name, dtype).reshape(shape), "flat"
+    raise BadRequest(f"{name}: data must be a flat list of numbers or a base64 string")
+
+
+def _list_to_tensor(data: list, name: str, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        t = torch.tensor(data, dtype=torch.float32 if dtype.is_floating_point else torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise BadRequest(f"{name}: not a rectangular list of numbers ({exc})") from None
+    return t.to(dtype)
+
+
+def json_tensors(
+    doc: Any, tensor_names: tuple[str, ...], options: tuple[str, ...]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+    """A JSON request object -> (tensors, raw options, encoding of the first tensor)."""
+    if not isinstance(doc, dict):
+        raise BadRequest('the JSON body must be an object such as {"q": ..., "k": ..., "v": ...}')
+    tensors: dict[str, torch.Tensor] = {}
+    raw_options: dict[str, Any] = {}
+    encoding = "list"
+    for key, value in doc.items():
+        if key in tensor_names:
+            if value is None:
+                continue
+            default = torch.int64 if key in INT_TENSORS else torch.float32
+            tensors[key], enc = json_tensor(value, key, default)
+            if key == tensor_names[0]:
+                encoding = enc
+        elif key in options:
+            raw_options[key] = value
+        else:
+            raise BadRequest(f"unknown field {key!r}; the fields are {', '.join(tensor_names + options)}")
+    return tensors, raw_options, encoding
+
+
+def parse_json(body: bytes | bytearray | memoryview) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+
+
+def encode_json_tensor(t: torch.Tensor, encoding: str) -> Any:
+    """A result tensor in the request's JSON encoding (orjson writes -inf/nan as null)."""
+    t = t.detach().to("cpu").contiguous()
+    if encoding == "base64":
+        return {
+            "shape": list(t.shape),
+            "dtype": DTYPE_NAMES[t.dtype],
+            "data": base64.b64encode(tensor_to_bytes(t)).decode("ascii"),
+        }
+    arr = (t.float() if t.dtype.is_floating_point else t).numpy()
+    if encoding == "flat":
+        return {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "data": arr.reshape(-1)}
+    return arr
+
+
+def encode_json(tensors: Mapping[str, torch.Tensor], encoding: str) -> bytes:
+    return orjson.dumps(
+        {k: encode_json_tensor(t, encoding) for k, t in tensors.items()}, option=orjson.OPT_SERIALIZE_NUMPY
+    )
+
+
+# ---------------------------------------------------------------- native requests
+
+
+def _require(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> None:
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise BadRequest(f"missing tensor{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+
+
+def check_dims(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...], ndim: int, layout: str) -> None:
+    from .errors import InvalidInput
+
+    for n in names:
+        if tensors[n].dim() != ndim:
+            dims = "[B, N, H, D]" if layout == "bnhd" else "[B, H, N, D]"
+            raise InvalidInput(f"{n} must have {ndim} dims {dims}, got shape {list(tensors[n].shape)}")
+
+
+def kv_lengths_int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """kv_lengths arrive int32 or int64; the request carries int32 (the kernels check the range)."""
+    if t is None or t.dtype != torch.int64 or t.numel() == 0 or int(t.abs().max()) >= 2**31:
+        return t
+    return t.to(torch.int32)
+
+
+def decode_tensors(
+    body: bytearray,
+    mtype: str,
+    tensor_names: tuple[str, ...],
+    options: tuple[str, ...],
+    query: Mapping[str, str],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+    """Body + query string -> (tensors, merged raw options (query wins), response encoding)."""
+    q_opts = merge_options(options, dict(query))
+    if mtype == SAFETENSORS:
+        tensors, metadata = parse_safetensors(body)
+        unknown = set(tensors) - set(tensor_names)
+        if unknown:
+            raise BadRequest(
+                f"unknown tensor {sorted(unknown)[0]!r}; the tensors are {', '.join(tensor_names)}"
+            )
+        return tensors, merge_options(options, metadata, q_opts), "safetensors"
+    if mtype == JSON:
+        tensors, body_opts, encoding = json_tensors(parse_json(body), tensor_names, options)
+        return tensors, merge_options(options, body_opts, q_opts), encoding
+    raise UnsupportedMediaType(
+        f"unsupported Content-Type {mtype or '(none)'!r}; send {SAFETENSORS} or {JSON}"
+    )
+
+
+def decode_attention(
+    body: bytearray, mtype: str, query: Mapping[str, str], *, request_id: str, deadline: float, arrived: float
+) -> tuple[AttentionRequest, str]:
+    tensors, raw, encoding = decode_tensors(body, mtype, ATTENTION_TENSORS, ATTENTION_OPTIONS, query)
+    _require(tensors, ("q", "k", "v"))
+    opts = attention_options(raw)
+    layout = opts.pop("layout", "bhnd")
+    check_dims(tensors, ("q", "k", "v"), 4, layout)
+    req = AttentionRequest.from_layout(
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        layout=layout,
+        kv_lengths=kv_lengths_int32(tensors.get("kv_lengths")),
+        request_id=request_id,
+        deadline=deadline,
+        arrived=arrived,
+        **opts,
+    )
+    return req, encoding
+
+
+def decode_layer(
+    name: str,
+    body: bytearray,
+    mtype: str,
+    query: Mapping[str, str],
+    *,
+    request_id: str,
+    deadline: float,
+    arrived: float,
+) -> tuple[LayerRequest, str]:
+    tensors, raw, encoding = decode_tensors(body, mtype, LAYER_TENSORS, LAYER_OPTIONS, query)
+    _require(tensors, ("x",))
+    causal = parse_bool("causal", raw["causal"]) if "causal" in raw else False
+    req = LayerRequest(
+        layer=name,
+        x=tensors["x"],
+        causal=causal,
+        positions=tensors.get("positions"),
+        kv_lengths=kv_lengths_int32(tensors.get("kv_lengths")),
+        request_id=request_id,
+        deadline=deadline,
+        arrived=arrived,
+    )
+    return req, encoding
+
+
+def encode_result(tensors: Mapping[str, torch.Tensor], encoding: str) -> tuple[bytes | memoryview, str]:
+    """Result tensors -> (body, media type) in the encoding the request came in."""
+    if encoding == "safetensors":
+        return safetensors_bytes(tensors), SAFETENSORS
+    return encode_json(tensors, encoding), JSON

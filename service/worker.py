@@ -1,0 +1,452 @@
+"""A worker per device: it warms the kernels, then runs batches off the event loop, in its own thread.
+
+One launch of a batch (``Worker.run``):
+    requests (CPU tensors, maybe read-only views of request bytes; never written into)
+      -> concatenated along B into one staging tensor (pinned host memory on a GPU)
+      -> copied to the device (non-blocking, on the worker's own CUDA stream)
+      -> one kernel launch (``kernels.attention``) or one layer forward
+      -> copied back into pinned host memory, split along B: one answer per request.
+
+Faults stay inside the batch: a device out-of-memory splits the batch in halves and retries each
+(one oversized request cannot fail the others; alone it gets 503); any other error is retried
+request by request, so that a bad request fails alone, and becomes a ``ServiceError`` with a safe
+message. The worker stays usable afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import kernels
+
+from .errors import DeadlineExceeded, InvalidInput, ServiceError, Unavailable, from_kernel_error
+from .metrics import Metrics
+from .settings import Settings
+from .types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
+
+log = logging.getLogger("attnserve.worker")
+
+# Triton's JIT and autotuner keep per-kernel state (first-call compile, ``Autotuner.nargs``,
+# benchmarking a new key) that is not safe to drive from two threads at once: GPU workers enqueue
+# their launches one at a time. A launch is asynchronous, so this costs little; the GPUs still
+# run in parallel.
+_LAUNCH_LOCK = threading.Lock()
+
+Outcome = AttentionResult | LayerResult | ServiceError
+Request = AttentionRequest | LayerRequest
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_devices(spec: str) -> list[torch.device]:
+    """'auto' (every visible GPU, else the CPU), 'cpu', 'cuda' (every GPU) or 'cuda:0,cuda:1'."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible")
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    try:
+        devices = [torch.device(part.strip()) for part in spec.split(",") if part.strip()]
+    except RuntimeError:
+        raise ValueError(
+            f"--device {spec}: use 'auto', 'cpu', 'cuda' or a list such as 'cuda:0,cuda:1'"
+        ) from None
+    for d in devices:
+        if d.type == "cuda":
+            if not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count():
+                raise ValueError(f"--device {spec}: {d} is not visible")
+        elif d.type != "cpu":
+            raise ValueError(f"--device {spec}: only 'cpu' and 'cuda[:N]' are supported, got {d}")
+    if not devices:
+        raise ValueError("--device is empty")
+    return [torch.device("cuda", d.index or 0) if d.type == "cuda" else d for d in devices]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """'1x8x128x64,1x32x1024x128' -> [(B, H, N, D), ...]."""
+    shapes = []
+    for part in text.split(","):
+        if part.strip():
+            dims = tuple(int(x) for x in part.strip().lower().split("x"))
+            if len(dims) != 4:
+                raise ValueError(f"warm-up shape {part!r} must be BxHxNxD")
+            shapes.append(dims)
+    return shapes
+
+
+def attention_memory(req: AttentionRequest, device_type: str) -> int:
+    """Bytes of device memory one launch of ``req`` needs (inputs, outputs, kernel workspace)."""
+    b, hq, nq, d = req.q.shape
+    hkv, nk = req.k.shape[1], req.k.shape[2]
+    es = req.q.element_size()
+    need = es * (2 * b * hq * nq * d + 2 * b * hkv * nk * d) + 4 * b * hq * nq + 8 * b
+    if req.kernel == "reference":  # materialises S and P in float32, expands k/v to Hq heads
+        need += 4 * (3 * b * hq * nq * nk + 2 * b * hq * nk * d + 2 * b * hq * nq * d)
+    elif device_type == "cpu":  # the blockwise CPU path: float32 accumulators + one score block
+        need += 4 * (3 * b * hq * nq * d + 3 * min(b * hq * nq * nk, 1 << 24))
+    return need
+
+
+def layer_memory(req: LayerRequest, hidden: int) -> int:
+    """Bytes a layer call needs: x, q/k/v/o projections and y, in float32 at worst."""
+    b, n = req.x.shape[0], req.x.shape[1]
+    return 4 * b * n * hidden * 8
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+class Worker:
+    """Owns one device: its thread, its CUDA stream, its copies of the layers."""
+
+    def __init__(self, device: torch.device, settings: Settings, metrics: Metrics, layers: dict[str, Any]):
+        self.device = device
+        self.name = str(device)
+        self.settings = settings
+        self.metrics = metrics
+        self._host_layers = layers
+        self.layers: dict[str, Any] = {}  # name -> DeviceLayer
+        self.ready = False
+        self.inflight = 0  # batches handed to this worker and not finished (the batcher counts)
+        self.inflight_tokens = 0
+        self.memory_budget = 0
+        self._cuda = device.type == "cuda"
+        self._copy_in_stream = self._compute_stream = self._copy_out_stream = None
+        init = (lambda: torch.cuda.set_device(device)) if self._cuda else None
+        self._launcher = ThreadPoolExecutor(1, f"attnserve-launch-{self.name}", initializer=init)
+        self._finisher = ThreadPoolExecutor(1, f"attnserve-finish-{self.name}", initializer=init)
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Move the layers to the device, compile and warm the kernels; then ``ready``."""
+        await asyncio.get_running_loop().run_in_executor(self._launcher, self._start)
+        self.ready = True
+
+    def _start(self) -> None:
+        t0 = time.perf_counter()
+        if self._cuda:
+            self._copy_in_stream = torch.cuda.Stream(self.device)
+            self._compute_stream = torch.cuda.Stream(self.device)
+            self._copy_out_stream = torch.cuda.Stream(self.device)
+            self.metrics.track_device_memory(self.name)
+        for name, layer in self._host_layers.items():
+            self.layers[name] = layer.to(self.device)
+        with self._launch_lock():
+            self._warmup()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            self.memory_budget = int(total * self.settings.memory_fraction) - torch.cuda.memory_allocated(
+                self.device
+            )
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            self.memory_budget = int(total * self.settings.memory_fraction)
+        log.info(
+            "worker %s warm in %.1fs (memory budget %.1f GiB)",
+            self.name,
+            time.perf_counter() - t0,
+            self.memory_budget / 2**30,
+        )
+
+    def _warmup(self) -> None:
+        """Compile (and autotune) the kernels for the configured shapes and for every layer."""
+        with torch.no_grad():
+            for layer in self.layers.values():  # the layer's head dim and dtype
+                x = torch.zeros(1, 16, layer.info.hidden_size, device=self.device)
+                for causal in (False, True):
+                    layer.forward(x, causal=causal)
+            shapes = parse_shapes(self.settings.warmup_shapes)
+            dtype_names = [s.strip() for s in self.settings.warmup_dtypes.split(",") if s.strip()]
+            dtypes = [DTYPES[n] for n in dtype_names] if self._cuda else [torch.float32]
+            if not shapes:
+                return
+            warmup = getattr(kernels, "warmup", None)
+            if warmup is not None:
+                warmup(shapes=shapes, dtypes=dtypes, device=self.device)
+                return
+            for b, h, n, d in shapes:
+                for dtype in dtypes:
+                    q = torch.randn(b, h, n, d, dtype=dtype, device=self.device)
+                    for causal in (False, True):
+                        kernels.attention(q, q, q, causal=causal, return_lse=True)
+
+    # ---- running a batch ----------------------------------------------------------------------
+
+    async def run(self, requests: Sequence[Request]) -> list[Outcome]:
+        """One outcome per request, in order: a result or the ServiceError that request gets.
+
+        Two stages, each in its own thread, so that consecutive batches overlap: the launcher
+        stages the inputs and enqueues the copies and the kernel (on a GPU nothing waits there);
+        the finisher waits for the device and splits the answers.
+        """
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        if self._cuda:
+            parts = await loop.run_in_executor(self._launcher, self._launch_all, list(requests))
+            outcomes = await loop.run_in_executor(self._finisher, _finish_all, parts)
+        else:  # the CPU computes in the launcher: nothing is left to wait for, so one hop
+            outcomes = await loop.run_in_executor(
+                self._launcher, lambda: _finish_all(self._launch_all(requests))
+            )
+        self.metrics.compute_duration.labels(self.name).observe(time.perf_counter() - t0)
+        self.metrics.batch_size.labels(self.name).observe(len(requests))
+        self.metrics.exec_count.labels(self.name).inc()
+        return outcomes
+
+    def _launch_all(self, requests: list[Request]) -> list[_Part]:
+        """Launcher thread: one ``_Part`` per run of consecutive requests, covering all in order."""
+        now = time.monotonic()
+        parts: list[_Part] = []
+        live: list[Request] = []
+
+        def flush() -> None:
+            if live:
+                parts.extend(self._run_group(list(live)))
+                live.clear()
+
+        for r in requests:
+            if r.deadline is not None and r.deadline <= now:  # never launched once expired
+                flush()
+                parts.append(_failed([DeadlineExceeded("the request's deadline passed before it could run")]))
+            else:
+                live.append(r)
+        flush()
+        return parts
+
+    def _run_group(self, reqs: list[Request]) -> list[_Part]:
+        try:
+            with torch.no_grad():
+                if self._cuda:
+                    with torch.cuda.stream(self._compute_stream):
+                        part = self._launch(reqs)
+                else:
+                    part = self._launch(reqs)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a per-request outcome
+            if _is_oom(exc):
+                self._after_oom()
+                if len(reqs) == 1:
+                    log.warning("worker %s: out of memory on one request (%s)", self.name, _describe(reqs[0]))
+                    msg = "the device ran out of memory for this request; send a smaller one or retry later"
+                    return [_failed([Unavailable(msg)])]
+                self.metrics.oom_splits.labels(self.name).inc()
+                mid = len(reqs) // 2
+                return self._run_group(reqs[:mid]) + self._run_group(reqs[mid:])
+            if len(reqs) > 1:  # isolate the request that fails: the others must not pay for it
+                return [p for r in reqs for p in self._run_group([r])]
+            return [_failed([self._error(exc, reqs[0])])]
+        part.requests = reqs
+        part.on_error = self._error
+        return [part]
+
+    def _error(self, exc: BaseException, req: Request) -> ServiceError:
+        if isinstance(exc, ServiceError):
+            return exc
+        if isinstance(exc, kernels.AttentionInputError):
+            return from_kernel_error(exc)
+        log.error("worker %s: request %s failed: %r", self.name, req.request_id, exc, exc_info=exc)
+        return ServiceError(
+            f"internal error while computing the request (id {req.request_id}); "
+            "it was not served, other requests are unaffected"
+        )
+
+    def _launch_lock(self):
+        """The process-wide launch lock on a GPU; none on the CPU (its workers compute in parallel)."""
+        return _LAUNCH_LOCK if self._cuda else contextlib.nullcontext()
+
+    def _after_oom(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def _launch(self, reqs: list[Request]) -> _Part:
+        if isinstance(reqs[0], AttentionRequest):
+            return self._launch_attention(reqs)  # type: ignore[arg-type]
+        return self._launch_layer(reqs)  # type: ignore[arg-type]
+
+    def _stage(self, parts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Concatenate along dim 0 and move to the device, with one host copy at most.
+
+        On a GPU: into pinned memory (a parallel copy), then a non-blocking copy on the copy-in
+        stream. On the CPU a lone tensor is used as it is (a view of the request's bytes: read,
+        never written).
+        """
+        dtype = dtype or parts[0].dtype
+        if not self._cuda and len(parts) == 1 and parts[0].dtype == dtype:
+            return parts[0]
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        buf = torch.empty(shape, dtype=dtype, pin_memory=self._cuda)
+        if len(parts) > 1 and all(p.dtype == dtype for p in parts):
+            torch.cat(list(parts), dim=0, out=buf)  # one op (parallel for big inputs) for many parts
+        else:
+            b0 = 0
+            for p in parts:
+                buf[b0 : b0 + p.shape[0]].copy_(p)  # a converting copy when dtypes differ
+                b0 += p.shape[0]
+        if not self._cuda:
+            return buf
+        with torch.cuda.stream(self._copy_in_stream):
+            return buf.to(self.device, non_blocking=True)
+
+    def _inputs_ready(self) -> None:
+        """The compute stream waits for the copies enqueued so far on the copy-in stream."""
+        if self._cuda:
+            self._compute_stream.wait_stream(self._copy_in_stream)
+
+    def _to_host(self, tensors: Sequence[torch.Tensor | None]) -> tuple[list, Any]:
+        """Enqueue device->host copies into pinned memory after the compute so far; return the host
+        tensors and an event that marks them complete (None on the CPU)."""
+        if not self._cuda:
+            return list(tensors), None
+        out = []
+        self._copy_out_stream.wait_stream(self._compute_stream)
+        with torch.cuda.stream(self._copy_out_stream):
+            for t in tensors:
+                if t is None:
+                    out.append(None)
+                    continue
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                out.append(h)
+            done = torch.cuda.Event()
+            done.record(self._copy_out_stream)
+        return out, done
+
+    def _launch_attention(self, reqs: list[AttentionRequest]) -> _Part:
+        first = reqs[0]
+        q = self._stage([r.q for r in reqs])  # (ΣB, Hq, Nq, D)
+        k = self._stage([r.k for r in reqs])  # (ΣB, Hkv, Nk, D)
+        v = self._stage([r.v for r in reqs])
+        kv_lengths = None
+        if first.kv_lengths is not None:  # kv_lengths presence is part of the batch key
+            kv_lengths = self._stage([r.kv_lengths for r in reqs], torch.int32)  # (ΣB,)
+        scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.q.shape[-1])
+        self._inputs_ready()
+        with self._launch_lock():
+            o, lse = kernels.attention(
+                q,
+                k,
+                v,
+                causal=first.causal,
+                scale=scale,
+                kv_lengths=kv_lengths,
+                return_lse=True,
+                kernel=first.kernel,
+            )
+        want_lse = any(r.return_lse for r in reqs)
+        (o_host, lse_host), done = self._to_host([o, lse if want_lse else None])
+        keep = (q, k, v, kv_lengths, o, lse)  # device memory stays ours until the copies are done
+
+        def split() -> list[Outcome]:
+            results: list[Outcome] = []
+            b0 = 0
+            for r in reqs:
+                b1 = b0 + r.q.shape[0]
+                o_r = o_host[b0:b1]  # (B, Hq, Nq, D), a view
+                if r.layout == "bnhd":
+                    o_r = o_r.transpose(1, 2).contiguous()  # -> (B, Nq, Hq, D)
+                lse_r = lse_host[b0:b1] if r.return_lse else None
+                results.append(AttentionResult(o=o_r, lse=lse_r, request_id=r.request_id))
+                b0 = b1
+            return results
+
+        return _Part(split=split, done=done, keep=keep)
+
+    def _launch_layer(self, reqs: list[LayerRequest]) -> _Part:
+        first = reqs[0]
+        layer = self.layers.get(first.layer)
+        if layer is None:
+            raise InvalidInput(f"layer {first.layer!r} is not loaded on {self.name}")
+        dtype = _torch_dtype(self._host_layers[first.layer].info.dtype)
+        x = self._stage([r.x for r in reqs], dtype)  # (ΣB, N, hidden)
+        positions = kv_lengths = None
+        if first.positions is not None:
+            positions = self._stage([r.positions for r in reqs], torch.int64)  # (ΣB, N)
+        if first.kv_lengths is not None:
+            kv_lengths = self._stage([r.kv_lengths for r in reqs], torch.int32)  # (ΣB,)
+        self._inputs_ready()
+        with self._launch_lock():
+            y = layer.forward(x, causal=first.causal, positions=positions, kv_lengths=kv_lengths)
+        (y_host,), done = self._to_host([y])
+        keep = (x, positions, kv_lengths, y)
+
+        def split() -> list[Outcome]:
+            results: list[Outcome] = []
+            b0 = 0
+            for r in reqs:
+                b1 = b0 + r.x.shape[0]
+                results.append(LayerResult(y=y_host[b0:b1], request_id=r.request_id))
+                b0 = b1
+            return results
+
+        return _Part(split=split, done=done, keep=keep)
+
+    def close(self) -> None:
+        self._launcher.shutdown(wait=True)
+        self._finisher.shutdown(wait=True)
+
+
+def _torch_dtype(d: Any) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    return DTYPES[str(d).removeprefix("torch.")]
+
+
+def _describe(r: Request) -> str:
+    if isinstance(r, AttentionRequest):
+        return f"q {list(r.q.shape)} k {list(r.k.shape)} {r.q.dtype}"
+    return f"layer {r.layer} x {list(r.x.shape)}"
+
+
+@dataclass
+class _Part:
+    """Consecutive requests of a batch, launched together (or failed together before launch).
+
+    ``done`` (a CUDA event, or None) marks the device work complete; ``split`` then gives one
+    outcome per request; ``keep`` holds the device tensors alive until then."""
+
+    split: Callable[[], list[Outcome]]
+    done: Any = None
+    keep: tuple = ()
+    requests: list = field(default_factory=list)
+    on_error: Callable[[BaseException, Any], ServiceError] | None = None
+
+
+def _failed(errors: list[ServiceError]) -> _Part:
+    return _Part(split=lambda: list(errors))
+
+
+def _finish_all(parts: list[_Part]) -> list[Outcome]:
+    """Finisher thread: wait for each part's device work, then split its answers."""
+    outcomes: list[Outcome] = []
+    for part in parts:
+        try:
+            if part.done is not None:
+                part.done.synchronize()
+            out = part.split()
+        except Exception as exc:  # noqa: BLE001 - an asynchronous device error fails this part only
+            assert part.on_error is not None
+            out = [part.on_error(exc, r) for r in part.requests]
+        if part.requests and len(out) != len(part.requests):
+            raise RuntimeError(f"a launch gave {len(out)} answers for {len(part.requests)} requests")
+        part.keep = ()
+        outcomes.extend(out)
+    return outcomes

@@ -1,0 +1,445 @@
+"""attention.v1 over gRPC against a real server (``python -m service --device cpu``): unary, streaming,
+concurrency, layers, every status code of API.md §7, health and reflection.
+
+Two servers per module: ``server`` (defaults, one BERT layer) and ``strict`` (--api-key,
+--max-body-mb 2, --max-queue-size 1).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from conftest import ROOT, free_port, run_server
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from layer_fixtures import write_bert
+
+from kernels.reference import reference_attention
+from service.grpc_client import GrpcAttentionClient, GrpcAttentionServiceError
+from service.grpc_codec import deadline_of, tensor_from_pb, tensor_to_pb
+from service.layers import load_layer
+from service.protogen import attention_stubs
+
+stubs = attention_stubs()
+pb, pb_grpc = stubs.attention_pb2, stubs.attention_pb2_grpc
+
+API_KEY = "s3cret"
+FAST_WARMUP = ("--warmup-shapes", "1x2x16x16")  # ready sooner; the CPU path compiles nothing per shape
+UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+# (B, Hq, Hkv, Nq, Nk, D): awkward sizes, each with its reason
+SHAPES = [
+    (1, 8, 8, 128, 128, 64),  # the benchmark's small call
+    (2, 4, 2, 17, 97, 40),  # GQA 2:1, Nq != Nk, D not a power of two
+    (1, 3, 1, 1, 33, 59),  # MQA, a single query row (decode), odd D
+    (3, 2, 2, 5, 5, 111),  # odd everything, D > 64
+]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_qkv(shape, dtype, seed):
+    b, hq, hkv, nq, nk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def assert_close_to_reference(o, q, k, v, *, causal=False, scale=None, kv_lengths=None, lse=None):
+    """Error vs a float64 reference at most ~2x that of plain PyTorch in q's dtype (STYLE 11), plus one
+    output rounding (the plain error can be near zero on small cases)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    opts = dict(causal=causal, scale=scale, kv_lengths=kv_lengths)
+    ref64, lse64 = reference_attention(q.double(), k.double(), v.double(), **opts)
+    plain, _ = reference_attention(q, k, v, **opts)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    err = (o.double() - ref64).abs().max().item()
+    ulp = torch.finfo(q.dtype).eps * ref64.abs().max().item()  # one rounding of the output, for tiny cases
+    budget = 2 * (plain.double() - ref64).abs().max().item() + ulp
+    assert err <= budget, f"max error {err:.3g} over budget {budget:.3g}"
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+        torch.testing.assert_close(lse.double(), lse64.double(), atol=1e-4, rtol=1e-4)
+
+
+def attend_msg(q, k, v, **fields):
+    return pb.AttendRequest(q=tensor_to_pb(q), k=tensor_to_pb(k), v=tensor_to_pb(v), **fields)
+
+
+def status_of(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value
+
+
+# ---------------------------------------------------------------- servers
+
+
+@pytest.fixture(scope="module")
+def layer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt") / "bert"
+    write_bert(folder, prefix="")  # hidden 40, 5 heads, head dim 8
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, layer_dir):
+    with run_server(tmp_path_factory.mktemp("grpc"), "--layer", f"bert0={layer_dir}:0", *FAST_WARMUP) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("grpc-strict"), "--api-key", API_KEY, "--max-body-mb", "2",
+                    "--max-queue-size", "1", *FAST_WARMUP) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.grpc_target, options=UNLIMITED) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.AttentionServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with GrpcAttentionClient(server.grpc_target, timeout=60.0) as c:
+        yield c
+
+
+# ---------------------------------------------------------------- unary
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_attend_matches_reference(stub, shape, dtype):
+    q, k, v = make_qkv(shape, dtype, seed=sum(shape))
+    resp = stub.Attend(attend_msg(q, k, v, request_id="unary-1"), timeout=60)
+    assert resp.request_id == "unary-1" and not resp.HasField("lse")
+    assert_close_to_reference(tensor_from_pb(resp, "o"), q, k, v)
+
+
+def test_attend_options(stub):
+    """causal, scale, kv_lengths (one row fully masked: zeros and lse -inf), return_lse, bnhd layout."""
+    q, k, v = make_qkv((2, 4, 2, 9, 12, 16), torch.float32, seed=3)
+    kv_lengths = torch.tensor([12, 0], dtype=torch.int32)
+    msg = attend_msg(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=0.3,
+                     layout="bnhd", return_lse=True, kv_lengths=tensor_to_pb(kv_lengths), kernel="reference")
+    resp = stub.Attend(msg, timeout=60)
+    o = tensor_from_pb(resp, "o")
+    assert list(o.shape) == [2, 9, 4, 16]  # bnhd in, bnhd out
+    lse = tensor_from_pb(resp, "lse")
+    assert_close_to_reference(o.transpose(1, 2)[:1], q[:1], k[:1], v[:1], causal=True, scale=0.3, lse=lse[:1])
+    assert torch.all(o[1] == 0) and torch.all(lse[1] == float("-inf"))
+    assert resp.request_id  # the server made one up
+
+
+def test_client_matches_reference(client):
+    q, k, v = make_qkv((2, 4, 2, 17, 97, 40), torch.float16, seed=5)
+    o, lse = client.attention(q, k, v, causal=True, return_lse=True)
+    assert_close_to_reference(o, q, k, v, causal=True, lse=lse)
+    o[0, 0, 0, 0] = 1.0  # the client's tensors are the caller's to write
+
+
+def test_messages_over_grpc_default_4mib(client):
+    """15 MiB in, 5 MiB out: the server's limits come from --max-body-mb (1 GiB), not gRPC's 4 MiB."""
+    q, k, v = make_qkv((160, 8, 8, 16, 16, 64), torch.float32, seed=4)
+    assert_close_to_reference(client.attention(q, k, v), q, k, v)
+
+
+def test_concurrent_unary_calls(client):
+    """16 threads x 3 calls on one channel; every answer equals its own reference."""
+    def work(i):
+        shape = SHAPES[i % len(SHAPES)]
+        q, k, v = make_qkv(shape, DTYPES[i % 3], seed=100 + i)
+        causal = i % 2 == 1
+        for _ in range(3):
+            assert_close_to_reference(client.attention(q, k, v, causal=causal), q, k, v, causal=causal)
+        return i
+
+    with ThreadPoolExecutor(16) as pool:
+        assert sorted(pool.map(work, range(16))) == list(range(16))
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def test_stream_dozens_of_calls(stub):
+    """48 calls on one AttendStream, mixed shapes/dtypes/options; answers tagged, each checked alone."""
+    rng = random.Random(0)
+    cases = {}
+    for i in range(48):
+        shape, dtype = rng.choice(SHAPES), rng.choice(DTYPES)
+        q, k, v = make_qkv(shape, dtype, seed=1000 + i)
+        cases[f"call-{i}"] = (q, k, v, rng.random() < 0.5)
+    requests = (attend_msg(q, k, v, causal=c, request_id=rid) for rid, (q, k, v, c) in cases.items())
+    seen = []
+    for resp in stub.AttendStream(requests, timeout=120):
+        q, k, v, causal = cases[resp.request_id]
+        assert_close_to_reference(tensor_from_pb(resp, "o"), q, k, v, causal=causal)
+        seen.append(resp.request_id)
+    assert sorted(seen) == sorted(cases)
+
+
+def test_stream_helper_assigns_ids(client):
+    q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=9)
+    got = dict(client.attention_stream([{"q": q, "k": k, "v": v, "return_lse": i == 3} for i in range(6)]))
+    assert sorted(got) == [str(i) for i in range(6)]
+    o, lse = got["3"]
+    assert_close_to_reference(o, q, k, v, lse=lse)
+    assert_close_to_reference(got["0"], q, k, v)
+
+
+def test_stream_error_ends_stream_naming_the_call(stub):
+    q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=11)
+    bad = attend_msg(q, k[:, :, :, :8], v, request_id="the-bad-one")
+    err = status_of(lambda: list(stub.AttendStream(iter([attend_msg(q, k, v), bad]), timeout=60)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the-bad-one" in err.details()
+
+
+# ---------------------------------------------------------------- layers
+
+
+def test_list_and_call_layer(client, stub, layer_dir):
+    [info] = client.layers()
+    assert info == {"name": "bert0", "family": "bert", "hidden_size": 40, "num_heads": 5, "num_kv_heads": 5,
+                    "head_dim": 8, "dtype": "float32"}
+    x = torch.randn(2, 7, 40, generator=torch.Generator().manual_seed(1))
+    y = client.call_layer("bert0", x)
+    expected = load_layer("bert0", layer_dir, 0).to("cpu").forward(x, kernel="reference")
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    resp = stub.CallLayer(pb.LayerRequest(layer="bert0", x=tensor_to_pb(x), causal=True, request_id="L"))
+    assert resp.request_id == "L" and list(resp.y.shape) == [2, 7, 40]
+
+
+# ---------------------------------------------------------------- errors (API.md §7)
+
+
+def _bad_requests():
+    q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=0)
+    half = tensor_to_pb(q)
+    half.data = half.data[: len(half.data) // 2]
+    no_dtype = tensor_to_pb(q)
+    no_dtype.dtype = pb.DTYPE_UNSPECIFIED
+    big_d = make_qkv((1, 1, 1, 4, 4, 300), torch.float16, seed=0)
+    return {
+        "missing k": pb.AttendRequest(q=tensor_to_pb(q), v=tensor_to_pb(v)),
+        "bytes do not match shape": pb.AttendRequest(q=half, k=tensor_to_pb(k), v=tensor_to_pb(v)),
+        "dtype unspecified": pb.AttendRequest(q=no_dtype, k=tensor_to_pb(k), v=tensor_to_pb(v)),
+        "unknown layout": attend_msg(q, k, v, layout="nhbd"),
+        "bnhd with 3-d tensors": attend_msg(q[0], k[0], v[0], layout="bnhd"),
+        "unknown kernel": attend_msg(q, k, v, kernel="fastest"),
+        "q not 4-d": attend_msg(q[0], k, v),
+        "mixed dtypes": attend_msg(q, k.half(), v),
+        "heads not a multiple": attend_msg(make_qkv((1, 3, 2, 8, 8, 16), torch.float32, 0)[0], k, v),
+        "head dim over 256": attend_msg(*big_d),
+        "int32 queries": attend_msg(q.int(), k.int(), v.int()),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_requests()))
+def test_invalid_argument(stub, case):
+    err = status_of(stub.Attend, _bad_requests()[case], timeout=60)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details() and "Traceback" not in err.details()
+
+
+@pytest.mark.parametrize("method", [
+    "/attention.v1.AttentionService/Attend",
+    "/attention.v1.AttentionService/CallLayer",
+    "/inference.GRPCInferenceService/ModelInfer",
+])
+def test_unparsable_message_is_invalid_argument(channel, method):
+    err = status_of(channel.unary_unary(method), b"\xff\xff\xff", timeout=10)  # raw bytes, not protobuf
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in err.details()
+
+
+def test_unparsable_message_on_a_stream(channel):
+    stream = channel.stream_stream("/attention.v1.AttentionService/AttendStream")
+    err = status_of(lambda: list(stream(iter([b"\xff\xff"]), timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_head_dim_message_is_actionable(client):
+    q, k, v = make_qkv((1, 1, 1, 4, 4, 300), torch.float16, seed=0)
+    with pytest.raises(GrpcAttentionServiceError) as info:
+        client.attention(q, k, v)
+    assert info.value.status == grpc.StatusCode.INVALID_ARGUMENT and info.value.code == "invalid_input"
+    assert "256" in info.value.message
+
+
+def test_unknown_layer_is_not_found(stub, client):
+    x = torch.zeros(1, 2, 40)
+    err = status_of(stub.CallLayer, pb.LayerRequest(layer="nope", x=tensor_to_pb(x)), timeout=60)
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.details()
+    with pytest.raises(GrpcAttentionServiceError) as info:
+        client.call_layer("bert0", torch.zeros(1, 2, 41))  # wrong hidden size
+    assert info.value.status == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_deadline_exceeded(stub, client):
+    q, k, v = make_qkv((1, 16, 16, 2048, 2048, 64), torch.float32, seed=0)  # ~1 s of CPU work
+    err = status_of(stub.Attend, attend_msg(q, k, v, kernel="reference"), timeout=0.05)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    small = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=1)
+    assert_close_to_reference(client.attention(*small), *small)  # the server carries on
+
+
+def test_grpc_deadline_becomes_the_request_deadline():
+    class Context:
+        def __init__(self, remaining):
+            self.remaining = remaining
+
+        def time_remaining(self):
+            return self.remaining
+
+    before = time.monotonic()
+    assert before + 2.0 <= deadline_of(Context(2.0)) <= time.monotonic() + 2.0
+    assert deadline_of(Context(None)) is None  # the engine applies --request-timeout-ms
+
+
+def test_unavailable_when_nothing_listens():
+    with GrpcAttentionClient(f"127.0.0.1:{free_port()}", timeout=5.0) as c:
+        assert c.ready() is False
+        with pytest.raises(GrpcAttentionServiceError) as info:
+            c.attention(*make_qkv((1, 1, 1, 2, 2, 4), torch.float32, seed=0))
+    assert info.value.status == grpc.StatusCode.UNAVAILABLE
+
+
+def test_message_over_limit_is_resource_exhausted(strict):
+    with GrpcAttentionClient(strict.grpc_target, api_key=API_KEY) as c:
+        q, k, v = make_qkv((1, 8, 8, 4096, 4096, 16), torch.float16, seed=0)  # 3 x 1 MiB > 2 MiB
+        with pytest.raises(GrpcAttentionServiceError) as info:
+            c.attention(q, k, v)
+    assert info.value.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_queue_full_is_resource_exhausted(strict):
+    """--max-queue-size 1: of several concurrent slow calls, some are refused with queue_full."""
+    q, k, v = make_qkv((1, 4, 4, 2048, 2048, 16), torch.float32, seed=0)  # 1.5 MiB, ~0.1 s each
+    outcomes = []
+    lock = threading.Lock()
+    with GrpcAttentionClient(strict.grpc_target, api_key=API_KEY) as c:
+        def call(_):
+            try:
+                c.attention(q, k, v, kernel="reference")
+                out = "ok"
+            except GrpcAttentionServiceError as exc:
+                out = (exc.status, exc.code, exc.retry_after_s)
+            with lock:
+                outcomes.append(out)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(call, range(8)))
+    refused = [o for o in outcomes if o != "ok"]
+    assert "ok" in outcomes and refused, outcomes
+    for status, code, _retry in refused:
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED and code == "queue_full"
+
+
+def test_api_key(strict):
+    q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=0)
+    for key in (None, "wrong"):
+        with GrpcAttentionClient(strict.grpc_target, api_key=key) as c:
+            with pytest.raises(GrpcAttentionServiceError) as info:
+                c.attention(q, k, v)
+            assert info.value.status == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(GrpcAttentionServiceError) as info:
+                list(c.attention_stream([{"q": q, "k": k, "v": v}]))
+            assert info.value.status == grpc.StatusCode.UNAUTHENTICATED
+            assert c.ready() is True  # health is exempt
+    with GrpcAttentionClient(strict.grpc_target, api_key=API_KEY) as c:
+        assert_close_to_reference(c.attention(q, k, v), q, k, v)
+    with grpc.insecure_channel(strict.grpc_target) as ch:  # reflection is exempt too
+        assert "attention.v1.AttentionService" in list_services(ch)
+
+
+# ---------------------------------------------------------------- health and reflection
+
+
+def test_health_serving_once_ready(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for service in ("", "attention.v1.AttentionService", "inference.GRPCInferenceService"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == serving
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert next(watch).status == serving
+    watch.cancel()
+
+
+def test_health_follows_warmup_and_drain(tmp_path):
+    """NOT_SERVING (and UNAVAILABLE calls) while warming, SERVING once warm, NOT_SERVING on SIGTERM
+    while a held call still completes, then a prompt exit."""
+    NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+    eager = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+             ("grpc.max_reconnect_backoff_ms", 100)]  # connect as soon as the port listens
+    with run_server(tmp_path, "--warmup-shapes", "1x16x2048x64", wait_ready=False) as srv, \
+            grpc.insecure_channel(srv.grpc_target, options=eager + UNLIMITED) as ch:
+        grpc.channel_ready_future(ch).result(timeout=60)
+        stub = pb_grpc.AttentionServiceStub(ch)
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+        first = next(watch).status
+        if first == NOT_SERVING:  # still warming (the usual case): calls are refused meanwhile
+            q, k, v = make_qkv((1, 1, 1, 2, 2, 4), torch.float32, seed=0)
+            err = status_of(stub.Attend, attend_msg(q, k, v), timeout=10)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert next(watch).status == SERVING
+        else:
+            assert first == SERVING
+        big = make_qkv((1, 16, 16, 1024, 1024, 64), torch.float32, seed=0)
+        held = stub.Attend.future(attend_msg(*big, kernel="reference"), timeout=60)
+        time.sleep(0.2)  # let the call reach the engine
+        srv.proc.terminate()
+        assert next(watch).status == NOT_SERVING
+        assert list(watch) == []  # the watch ends, so it does not hold the shutdown
+        assert_close_to_reference(tensor_from_pb(held.result(), "o"), *big)  # drained, not dropped
+        assert srv.proc.wait(timeout=20) == 0
+
+
+def list_services(ch) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+    [resp] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                       timeout=10)
+    return [s.name for s in resp.list_services_response.service]
+
+
+def test_docs_grpcurl_payload(stub):
+    """The JSON body of docs/grpc.md's grpcurl example is a valid AttendRequest with the stated tensors."""
+    text = (ROOT / "docs" / "grpc.md").read_text()
+    tensor = re.search(r"^T='(.*)'$", text, re.M).group(1)
+    body = re.search(r'-d "(\{.*\})"', text).group(1).replace('\\"', '"').replace("$T", tensor)
+    resp = stub.Attend(json_format.Parse(body, pb.AttendRequest()), timeout=10)
+    q = torch.tensor([[[[1.0, 0, 0, 0], [0, 1.0, 0, 0]]]])
+    assert resp.request_id == "r1"
+    o, lse = tensor_from_pb(resp, "o"), tensor_from_pb(resp, "lse")
+    assert_close_to_reference(o, q, q, q, causal=True, lse=lse)
+
+
+def test_reflection(channel):
+    assert set(list_services(channel)) >= {
+        "attention.v1.AttentionService", "inference.GRPCInferenceService", "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="attention.v1.AttentionService")
+    [resp] = stub.ServerReflectionInfo(iter([req]), timeout=10)
+    assert resp.file_descriptor_response.file_descriptor_proto  # what grpcurl needs to build requests

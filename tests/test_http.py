@@ -1,0 +1,614 @@
+"""The native HTTP API (API.md §2, §7) against a real server process, with real HTTP clients.
+
+Two servers per module: ``server`` (default limits, one tiny BERT layer loaded) and ``guarded``
+(--api-key, a 4 MiB body limit and --max-queue-size 1) for the 401/413/429 rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import math
+import re
+import threading
+import time
+
+import httpx
+import orjson
+import pytest
+import safetensors.torch as st
+import torch
+import torch.nn.functional as F
+
+from service.client import AttentionClient, AttentionServiceError
+from tests.conftest import run_server
+from tests.layer_fixtures import block, write_bert
+from tests.reference64 import attention64
+
+API_KEY = "s3cret-key"
+FAST = ("--grpc-port", "0", "--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# (B, Hq, Hkv, Nq, Nk, D): why each shape is here
+SHAPES = [
+    (1, 2, 2, 5, 7, 8),  # tiny, Nq != Nk
+    (2, 4, 2, 17, 17, 40),  # GQA, odd N, non-power-of-two D
+    (1, 3, 1, 1, 33, 59),  # MQA, a single query, odd D
+    (2, 2, 2, 33, 9, 16),  # Nq > Nk: causal rows that see no key
+]
+
+
+@pytest.fixture(scope="module")
+def layer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bert")
+    return folder, write_bert(folder, hidden_size=40, num_heads=5, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, layer_dir):
+    with run_server(tmp_path_factory.mktemp("server"), *FAST, "--layer", f"tiny={layer_dir[0]}:0") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    with run_server(
+        tmp_path_factory.mktemp("guarded"),
+        *FAST,
+        "--api-key",
+        API_KEY,
+        "--max-body-mb",
+        "4",
+        "--max-queue-size",
+        "1",
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def make(shape, dtype=torch.float32, seed=0):
+    b, hq, hkv, nq, nk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(*s, generator=g).to(dtype) for s in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d))
+    )
+
+
+def plain_pytorch(q, k, v, *, causal=False, scale=None, kv_lengths=None):
+    """Plain PyTorch in q's dtype (SDPA with an explicit mask): the error budget's yardstick."""
+    nq, nk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    j = torch.arange(nk)
+    mask = torch.ones(q.shape[0], 1, nq, nk, dtype=torch.bool)
+    if causal:
+        mask &= (j[None, :] <= torch.arange(nq)[:, None] + nk - nq)[None, None]
+    if kv_lengths is not None:
+        mask &= (j[None, :] < kv_lengths[:, None].long())[:, None, None, :]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.nan_to_num(o, nan=0.0)
+
+
+def assert_matches(o, q, k, v, lse=None, **opts):
+    """Error budget relative to PyTorch: at most 2x plain PyTorch's error in q's dtype, plus one unit
+    of that dtype (the server may batch, and its CPU path rounds like a GPU kernel)."""
+    o64, lse64 = attention64(q, k, v, **opts)
+    plain_err = (plain_pytorch(q, k, v, **opts).double() - o64).abs().max().item()
+    err = (o.double() - o64).abs().max().item()
+    assert o.dtype == q.dtype and o.shape == q.shape
+    # floor: one unit of q's dtype at the output's magnitude (a mixed-up answer is off by ~0.1-1)
+    floor = torch.finfo(q.dtype).eps * max(1.0, o64.abs().max().item())
+    assert err <= 2 * plain_err + floor, f"error {err} vs plain PyTorch's {plain_err}"
+    if lse is not None:
+        finite = torch.isfinite(lse64)
+        assert torch.equal(torch.isfinite(lse), finite)
+        assert (lse.double()[finite] - lse64[finite]).abs().max().item() <= 1e-4
+
+
+def post_st(http, tensors, params=None, headers=None, path="/attention"):
+    return http.post(
+        path,
+        content=st.save({k: t.contiguous() for k, t in tensors.items()}),
+        params=params or {},
+        headers={"Content-Type": "application/x-safetensors", **(headers or {})},
+    )
+
+
+def assert_error(r, status, code=None):
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    if code:
+        assert err["code"] == code
+    return err
+
+
+def still_serving(url):
+    q, k, v = make(SHAPES[0])
+    r = httpx.post(
+        url + "/attention",
+        content=st.save({"q": q, "k": k, "v": v}),
+        headers={"Content-Type": "application/x-safetensors", "X-API-Key": API_KEY},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert_matches(st.load(r.content)["o"], q, k, v)
+
+
+# ---------------------------------------------------------------- results
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_safetensors_matches_reference(http, shape, dtype, layout):
+    q, k, v = make(shape, DTYPES[dtype])
+    causal = shape[3] != shape[4]
+    kv_lengths = torch.tensor([max(1, shape[4] - 3 * i) for i in range(shape[0])], dtype=torch.int32)
+    wire = {"q": q, "k": k, "v": v, "kv_lengths": kv_lengths}
+    if layout == "bnhd":  # flash-attn's (B, N, H, D)
+        wire.update({n: t.transpose(1, 2).contiguous() for n, t in (("q", q), ("k", k), ("v", v))})
+    r = post_st(http, wire, {"causal": str(causal).lower(), "return_lse": "true", "layout": layout})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/x-safetensors"
+    out = st.load(r.content)
+    o = out["o"].transpose(1, 2) if layout == "bnhd" else out["o"]
+    assert out["lse"].dtype == torch.float32 and out["lse"].shape == q.shape[:3]
+    assert_matches(o, q, k, v, out["lse"], causal=causal, kv_lengths=kv_lengths)
+
+
+def test_options_from_metadata_and_query_wins(http):
+    q, k, v = make(SHAPES[3])
+    body = st.save({"q": q, "k": k, "v": v}, metadata={"causal": "true", "scale": "0.5", "format": "pt"})
+    headers = {"Content-Type": "application/x-safetensors"}
+    r = http.post("/attention", content=body, headers=headers)
+    assert_matches(st.load(r.content)["o"], q, k, v, causal=True, scale=0.5)
+    r = http.post("/attention", content=body, headers=headers, params={"causal": "false"})
+    assert_matches(st.load(r.content)["o"], q, k, v, causal=False, scale=0.5)
+
+
+def _tensor_json(t, encoding):
+    if encoding == "list":
+        return t.tolist()
+    if encoding == "flat":
+        return {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "data": t.float().reshape(-1).tolist() if t.dtype.is_floating_point else t.reshape(-1).tolist(),
+        }
+    raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).contiguous().numpy().tobytes()
+    return {
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "data": base64.b64encode(raw).decode(),
+    }
+
+
+def _denull(x):
+    return [_denull(i) for i in x] if isinstance(x, list) else (-math.inf if x is None else x)
+
+
+def _tensor_from_json(value, encoding):
+    if encoding == "list":
+        return torch.tensor(_denull(value))
+    dtype = DTYPES[value["dtype"]]
+    if encoding == "flat":
+        return torch.tensor(_denull(value["data"])).to(dtype).reshape(value["shape"])
+    raw = bytearray(base64.b64decode(value["data"]))
+    t = torch.frombuffer(raw, dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
+    return (t.view(torch.bfloat16) if dtype == torch.bfloat16 else t).reshape(value["shape"])
+
+
+@pytest.mark.parametrize(
+    "encoding,dtype",
+    [
+        ("list", "float32"),
+        ("flat", "float16"),
+        ("flat", "float32"),
+        ("base64", "bfloat16"),
+        ("base64", "float32"),
+    ],
+)
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_json_encodings(http, encoding, dtype, layout):
+    shape = SHAPES[1]
+    q, k, v = make(shape, DTYPES[dtype] if encoding != "list" else torch.float32)
+    kv_lengths = torch.tensor([0, 11], dtype=torch.int32)  # batch 0 sees no key: o = 0, lse = -inf
+    wq, wk, wv = (t.transpose(1, 2).contiguous() if layout == "bnhd" else t for t in (q, k, v))
+    doc = {
+        "q": _tensor_json(wq, encoding),
+        "k": _tensor_json(wk, encoding),
+        "v": _tensor_json(wv, encoding),
+        "kv_lengths": kv_lengths.tolist(),
+        "return_lse": True,
+        "layout": layout,
+    }
+    r = http.post("/attention", content=orjson.dumps(doc), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    if encoding == "list":
+        assert all(x is None for x in out["lse"][0][0])  # -inf is written as null
+    else:
+        assert out["o"]["dtype"] == dtype and out["lse"]["dtype"] == "float32"
+        assert isinstance(out["o"]["data"], str if encoding == "base64" else list)
+    o = _tensor_from_json(out["o"], encoding).to(q.dtype)
+    o = o.transpose(1, 2) if layout == "bnhd" else o
+    lse = _tensor_from_json(out["lse"], encoding)
+    assert torch.all(o[0] == 0)
+    assert_matches(o, q, k, v, lse, kv_lengths=kv_lengths)
+
+
+def test_concurrent_mixed_shapes(server):
+    """Many concurrent requests of different shapes and options; each answer is its own."""
+    cases = [
+        (SHAPES[i % len(SHAPES)], [torch.float32, torch.float16, torch.bfloat16][i % 3], i % 2 == 0, i)
+        for i in range(24)
+    ]
+
+    def one(case):
+        shape, dtype, causal, seed = case
+        q, k, v = make(shape, dtype, seed=seed)
+        with AttentionClient(server.url) as c:
+            o = c.attention(q, k, v, causal=causal)
+        assert_matches(o, q, k, v, causal=causal)
+
+    with cf.ThreadPoolExecutor(12) as pool:
+        list(pool.map(one, cases))
+
+
+def test_client(server, layer_dir):
+    c = AttentionClient(server.url)
+    assert c.ready()
+    q, k, v = make(SHAPES[1], torch.float16)
+    o, lse = c.attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        return_lse=True,
+        layout="bnhd",
+        scale=0.3,
+        kernel="auto",
+    )
+    assert_matches(o.transpose(1, 2), q, k, v, lse, scale=0.3)
+    [info] = c.layers()
+    assert info == {
+        "name": "tiny",
+        "family": "bert",
+        "hidden_size": 40,
+        "num_heads": 5,
+        "num_kv_heads": 5,
+        "head_dim": 8,
+        "dtype": "float32",
+    }
+    with pytest.raises(AttentionServiceError) as exc:
+        c.attention(q, k[..., :8], v[..., :8], causal=True)
+    assert exc.value.status == 422 and exc.value.code == "invalid_input" and "head dim" in exc.value.message
+    with pytest.raises(AttentionServiceError) as exc:
+        c.call_layer("nope", torch.zeros(1, 3, 40))
+    assert exc.value.status == 404
+    c.close()
+
+
+def _bert_reference(tensors, x, kv_lengths=None):
+    w = block(tensors, 0)
+    b, n, hidden = x.shape
+    heads, d = 5, hidden // 5
+    q, k, v = (
+        F.linear(x.double(), w[n_].double(), w[n_ + "_bias"].double()).view(b, n, heads, d).transpose(1, 2)
+        for n_ in ("q", "k", "v")
+    )
+    o, _ = attention64(q, k, v, kv_lengths=kv_lengths)
+    return F.linear(o.transpose(1, 2).reshape(b, n, hidden), w["o"].double(), w["o_bias"].double())
+
+
+def test_layers(http, server, layer_dir):
+    _, tensors = layer_dir
+    assert http.get("/layers").json()["layers"][0]["name"] == "tiny"
+    x = torch.randn(2, 9, 40)
+    kv_lengths = torch.tensor([9, 4], dtype=torch.int32)
+    r = post_st(http, {"x": x, "kv_lengths": kv_lengths}, path="/layers/tiny")
+    assert r.status_code == 200, r.text
+    y = st.load(r.content)["y"]
+    ref = _bert_reference(tensors, x, kv_lengths)
+    assert (y.double() - ref).abs().max() < 1e-4
+    r = http.post("/layers/tiny", json={"x": x.tolist(), "kv_lengths": kv_lengths.tolist()})
+    assert r.status_code == 200, r.text
+    assert (torch.tensor(r.json()["y"]).double() - ref).abs().max() < 1e-4
+    assert_error(http.post("/layers/tiny", json={"x": torch.randn(1, 3, 41).tolist()}), 422, "invalid_input")
+    assert_error(http.post("/layers/tiny", json={"x": x.tolist()}, params={"scale": "1"}), 400, "bad_request")
+
+
+# ---------------------------------------------------------------- errors (§7), each with a JSON body
+
+
+def _st(**tensors):
+    return st.save({k: t.contiguous() for k, t in tensors.items()})
+
+
+Q, K, V = make(SHAPES[0])
+ERRORS = [
+    # (why, content-type, body, params, status, code)
+    (
+        "safetensors garbage",
+        "application/x-safetensors",
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json",
+        {},
+        400,
+        "bad_request",
+    ),
+    (
+        "safetensors header length past the end",
+        "application/x-safetensors",
+        b"\xff" * 16,
+        {},
+        400,
+        "bad_request",
+    ),
+    (
+        "offsets outside the body",
+        "application/x-safetensors",
+        b'@\x00\x00\x00\x00\x00\x00\x00{"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4000]}}       ',
+        {},
+        400,
+        "bad_request",
+    ),
+    ("JSON garbage", "application/json", b'{"q": [1, 2', {}, 400, "bad_request"),
+    ("JSON not an object", "application/json", b"[1, 2, 3]", {}, 400, "bad_request"),
+    (
+        "ragged nested list",
+        "application/json",
+        orjson.dumps({"q": [[1.0], [1.0, 2.0]], "k": [[1.0]], "v": [[1.0]]}),
+        {},
+        400,
+        "bad_request",
+    ),
+    (
+        "bad base64",
+        "application/json",
+        orjson.dumps({"q": {"shape": [1], "dtype": "float32", "data": "**"}, "k": [1.0], "v": [1.0]}),
+        {},
+        400,
+        "bad_request",
+    ),
+    (
+        "bytes do not match the shape",
+        "application/json",
+        orjson.dumps(
+            {"q": {"shape": [1, 1, 4, 4], "dtype": "float32", "data": "AAAAAA=="}, "k": [1.0], "v": [1.0]}
+        ),
+        {},
+        400,
+        "bad_request",
+    ),
+    (
+        "unknown dtype",
+        "application/json",
+        orjson.dumps({"q": {"shape": [1], "dtype": "float8", "data": [1.0]}, "k": [1.0], "v": [1.0]}),
+        {},
+        400,
+        "bad_request",
+    ),
+    ("unknown content type", "text/plain", b"q=1", {}, 415, "unsupported_media_type"),
+    ("no content type", "", b"{}", {}, 415, "unsupported_media_type"),
+    ("missing tensor", "application/x-safetensors", _st(q=Q, k=K), {}, 400, "bad_request"),
+    (
+        "unknown tensor name",
+        "application/x-safetensors",
+        _st(q=Q, k=K, v=V, kv_length=torch.ones(1)),
+        {},
+        400,
+        "bad_request",
+    ),
+    (
+        "unknown option (query typo)",
+        "application/x-safetensors",
+        _st(q=Q, k=K, v=V),
+        {"casual": "true"},
+        400,
+        "bad_request",
+    ),
+    (
+        "unknown option (JSON typo)",
+        "application/json",
+        orjson.dumps({"q": Q.tolist(), "k": K.tolist(), "v": V.tolist(), "casual": True}),
+        {},
+        400,
+        "bad_request",
+    ),
+    (
+        "bad option value",
+        "application/x-safetensors",
+        _st(q=Q, k=K, v=V),
+        {"causal": "maybe"},
+        400,
+        "bad_request",
+    ),
+    ("bad layout", "application/x-safetensors", _st(q=Q, k=K, v=V), {"layout": "nhbd"}, 400, "bad_request"),
+    ("bad kernel", "application/x-safetensors", _st(q=Q, k=K, v=V), {"kernel": "fast"}, 400, "bad_request"),
+    (
+        "scale not finite",
+        "application/x-safetensors",
+        _st(q=Q, k=K, v=V),
+        {"scale": "inf"},
+        400,
+        "bad_request",
+    ),
+    (
+        "inconsistent head dims",
+        "application/x-safetensors",
+        _st(q=Q, k=K[..., :4], v=V[..., :4]),
+        {},
+        422,
+        "invalid_input",
+    ),
+    (
+        "Hq not a multiple of Hkv",
+        "application/x-safetensors",
+        _st(q=torch.randn(1, 3, 4, 8), k=torch.randn(1, 2, 4, 8), v=torch.randn(1, 2, 4, 8)),
+        {},
+        422,
+        "invalid_input",
+    ),
+    ("3-dim q", "application/x-safetensors", _st(q=Q[0], k=K, v=V), {"layout": "bnhd"}, 422, "invalid_input"),
+    (
+        "q, k, v of different dtypes",
+        "application/x-safetensors",
+        _st(q=Q.half(), k=K, v=V),
+        {},
+        422,
+        "invalid_input",
+    ),
+    (
+        "float64 inputs",
+        "application/x-safetensors",
+        _st(q=Q.double(), k=K.double(), v=V.double()),
+        {},
+        422,
+        "invalid_input",
+    ),
+    (
+        "head dim over 256",
+        "application/x-safetensors",
+        _st(q=torch.randn(1, 1, 2, 257), k=torch.randn(1, 1, 2, 257), v=torch.randn(1, 1, 2, 257)),
+        {},
+        422,
+        "invalid_input",
+    ),
+    (
+        "kv_lengths past Nk",
+        "application/x-safetensors",
+        _st(q=Q, k=K, v=V, kv_lengths=torch.tensor([99], dtype=torch.int32)),
+        {},
+        422,
+        "invalid_input",
+    ),
+]
+
+
+@pytest.mark.parametrize("why,ctype,body,params,status,code", ERRORS, ids=[e[0] for e in ERRORS])
+def test_error_rows(http, server, why, ctype, body, params, status, code):
+    r = http.post("/attention", content=body, params=params, headers={"Content-Type": ctype} if ctype else {})
+    assert_error(r, status, code)
+
+
+def test_unknown_layer_404(http):
+    assert_error(post_st(http, {"x": torch.randn(1, 2, 40)}, path="/layers/nope"), 404, "not_found")
+    assert_error(http.get("/no/such/route"), 404)
+
+
+def test_deadline_504_and_request_id(server, http):
+    q = torch.randn(1, 16, 2048, 32, dtype=torch.float16)  # ~1 s on a CPU
+    k, v = torch.randn(1, 1, 2048, 32, dtype=torch.float16), torch.randn(1, 1, 2048, 32, dtype=torch.float16)
+    t0 = time.monotonic()
+    r = post_st(
+        http, {"q": q, "k": k, "v": v}, headers={"X-Request-Timeout-Ms": "50", "X-Request-Id": "dl-1"}
+    )
+    assert_error(r, 504, "deadline_exceeded")
+    assert r.headers["x-request-id"] == "dl-1"
+    assert time.monotonic() - t0 < 5
+    assert_error(post_st(http, {"q": Q, "k": K, "v": V}, headers={"X-Request-Timeout-Ms": "soon"}), 400)
+    assert http.get("/healthz").headers["x-request-id"]  # generated when the client sends none
+    still_serving(server.url)
+
+
+def test_health_metrics_docs(http):
+    assert http.get("/healthz").json() == {"status": "alive"}
+    assert http.get("/readyz").status_code == 200
+    post_st(http, {"q": Q, "k": K, "v": V})
+    text = http.get("/metrics").text
+    assert any(
+        line.startswith("attnserve_http_requests_total{")
+        and all(label in line for label in ('route="/attention"', 'method="POST"', 'status="200"'))
+        for line in text.splitlines()
+    )
+    assert "attnserve_inference_request_success_total" in text  # the engine's own registry
+    assert http.get("/docs").status_code == 200
+    schema = http.get("/openapi.json").json()
+    body = schema["paths"]["/attention"]["post"]["requestBody"]["content"]
+    assert set(body) == {"application/json", "application/x-safetensors"}
+    assert "AttentionJSON" in schema["components"]["schemas"]
+
+
+# ---------------------------------------------------------------- guarded server: 401, 413, 429
+
+
+def test_api_key_401(guarded):
+    url = guarded.url
+    body, headers = _st(q=Q, k=K, v=V), {"Content-Type": "application/x-safetensors"}
+    for extra in ({}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(url + "/attention", content=body, headers={**headers, **extra})
+        assert_error(r, 401, "unauthenticated")
+    assert_error(httpx.get(url + "/layers"), 401)
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/v2/models/attention").json() == {
+        "error": "an API key is required: send 'Authorization: Bearer KEY' or 'X-API-Key: KEY'"
+    }
+    for probe in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
+        assert httpx.get(url + probe).status_code == 200
+    for extra in ({"X-API-Key": API_KEY}, {"Authorization": f"Bearer {API_KEY}"}):
+        assert httpx.post(url + "/attention", content=body, headers={**headers, **extra}).status_code == 200
+    with AttentionClient(url, api_key=API_KEY) as c:
+        assert_matches(c.attention(Q, K, V), Q, K, V)
+
+
+def test_body_limit_413(guarded):
+    big = torch.zeros(1, 1, 1024, 1024)  # 4 MiB each: over the 4 MiB limit together
+    body = _st(q=big, k=big.clone(), v=big.clone())
+    headers = {"Content-Type": "application/x-safetensors", "X-API-Key": API_KEY}
+    assert_error(
+        httpx.post(guarded.url + "/attention", content=body, headers=headers), 413, "payload_too_large"
+    )
+
+    def chunks():  # no Content-Length: the limit holds while reading
+        for i in range(0, len(body), 1 << 16):
+            yield body[i : i + 1 << 16]
+
+    assert_error(httpx.post(guarded.url + "/attention", content=chunks(), headers=headers), 413)
+    big_json = b'{"q": [' + b"0.5," * (1 << 21) + b"0.5]}"
+    assert_error(
+        httpx.post(
+            guarded.url + "/attention",
+            content=big_json,
+            headers={**headers, "Content-Type": "application/json"},
+        ),
+        413,
+    )
+    still_serving(guarded.url)
+
+
+def _pending(url):
+    m = re.search(
+        r"^attnserve_inference_pending_requests (\S+)$",
+        httpx.get(url + "/metrics", headers={"X-API-Key": API_KEY}).text,
+        re.M,
+    )
+    return float(m.group(1)) if m else 0.0
+
+
+def test_queue_full_429(guarded):
+    q = torch.randn(1, 16, 2048, 32, dtype=torch.float16)  # ~1 s on a CPU; 2 MiB body
+    k, v = torch.randn(1, 1, 2048, 32, dtype=torch.float16), torch.randn(1, 1, 2048, 32, dtype=torch.float16)
+    headers = {"Content-Type": "application/x-safetensors", "X-API-Key": API_KEY}
+    slow_result: dict = {}
+
+    def slow():
+        slow_result["r"] = httpx.post(
+            guarded.url + "/attention", content=_st(q=q, k=k, v=v), headers=headers, timeout=120
+        )
+
+    t = threading.Thread(target=slow)
+    t.start()
+    deadline = time.monotonic() + 30
+    while _pending(guarded.url) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = httpx.post(guarded.url + "/attention", content=_st(q=Q, k=K, v=V), headers=headers)
+    t.join()
+    assert_error(r, 429, "queue_full")
+    assert int(r.headers["retry-after"]) >= 1
+    assert slow_result["r"].status_code == 200
+    still_serving(guarded.url)

@@ -1,0 +1,190 @@
+"""The load tests themselves: a short headless run of every user against a real CPU server with zero
+failures, failures counted when the server refuses, and the answer check failing wrong answers."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from conftest import ROOT, run_server
+
+sys.path.insert(0, str(ROOT))  # loadtest/ is not an installed package: plain `pytest` finds it too
+from loadtest import payloads, run  # noqa: E402
+from loadtest.payloads import WrongAnswer  # noqa: E402
+
+KEY = "loadtest-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A CPU server that needs an API key (so a run without one fails every request)."""
+    with run_server(tmp_path_factory.mktemp("server"), "--api-key", KEY, "--warmup-shapes", "1x1x8x8") as s:
+        yield s
+
+
+def loadtest(server, tmp_path, *args: str) -> tuple[int, dict, str]:
+    cmd = [sys.executable, "-m", "loadtest.run", "--host", server.url, "--grpc-target", server.grpc_target,
+           "--reports-dir", str(tmp_path), "--tag", "t", "--no-html", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    summary = json.loads((tmp_path / "t_summary.json").read_text())
+    return proc.returncode, summary, proc.stdout + proc.stderr
+
+
+def test_smoke_every_user_zero_failures(server, tmp_path):
+    rc, summary, out = loadtest(server, tmp_path, "--users", "4", "--run-time", "5s", "--mix", "small",
+                                "--user-class", "st,json,oip,grpc", "--api-key", KEY,
+                                "--sample-memory", str(server.proc.pid), "--sample-interval", "1")
+    r = summary["result"]
+    assert rc == 0, out
+    assert r["failures"] == 0 and r["requests"] > 0, out
+    names = {e["name"] for e in r["per_name"] if e["requests"] > 0}
+    assert names == {"st small-f16", "json-b64 small-f16", "json-list small-f32", "oip small-f16",
+                     "grpc small-f16"}, out
+    assert r["tflops"] > 0 and r["q_tokens_per_s"] > 0
+    batches = summary["batch_sizes"]
+    assert batches is None or batches["launches"] > 0, out
+    assert summary["memory"] and summary["memory"][0]["samples"] >= 3
+    assert (tmp_path / "t_memory.csv").read_text().startswith("time_s,source,metric,value")
+    assert "throughput:" in out and "failures: 0 of" in out
+
+
+def test_refused_requests_are_failures(server, tmp_path):
+    rc, summary, out = loadtest(server, tmp_path, "--users", "2", "--run-time", "2s",
+                                "--user-class", "st,grpc", "--no-metrics")
+    r = summary["result"]
+    assert rc == 1, out
+    assert r["requests"] > 0 and r["failures"] == r["requests"], out
+    errors = " ".join(e["error"] for e in r["errors"])
+    assert "401" in errors and "UNAUTHENTICATED" in errors, errors
+
+
+# ---------------------------------------------------------------- the check fails wrong answers
+
+
+def _attend(server, p: payloads.Prepared, rng) -> tuple[bytes, payloads.Expected]:
+    body, exp = payloads.safetensors_body(p, rng)
+    resp = httpx.post(server.url + "/attention", content=body, timeout=60,
+                      headers={"Content-Type": "application/x-safetensors", "Authorization": f"Bearer {KEY}"})
+    assert resp.status_code == 200, resp.text
+    return resp.content, exp
+
+
+def _with_o(dtype: str, shape: list[int], raw: bytes) -> bytes:
+    """A safetensors file holding only ``o`` = raw."""
+    return payloads.safetensors_header([("o", dtype, shape, len(raw))]) + raw
+
+
+# Odd sizes: D 59 (not a power of two), GQA 4/1, Nq 17 < Nk 97 with causal (bottom-right), bf16.
+CHECK_SHAPES = [payloads.SMALL,
+                payloads.Shape("odd-f16", 2, 4, 1, 17, 97, 59, "float16", causal=True),
+                payloads.Shape("odd-bf16", 1, 4, 2, 33, 70, 40, "bfloat16", causal=True)]
+
+
+@pytest.mark.parametrize("shape", CHECK_SHAPES, ids=lambda s: s.label)
+def test_check_accepts_the_answer_and_fails_anything_else(server, shape):
+    rng = random.Random(0)
+    p = payloads.prepare(shape, seed=1)
+    body, exp = _attend(server, p, rng)
+    payloads.check_safetensors(body, exp)  # the right answer passes
+
+    _, other = payloads.safetensors_body(p, rng)  # the same shape, another request's c
+    with pytest.raises(WrongAnswer, match="mixed-up"):
+        payloads.check_safetensors(body, other)
+
+    dtype, oshape, raw = payloads.parse_safetensors(body)["o"]
+    wrong_dtype = "bfloat16" if dtype == "float16" else "float16"
+    with pytest.raises(WrongAnswer, match="expected"):
+        payloads.check_safetensors(_with_o(wrong_dtype, oshape, bytes(raw)), exp)
+    swapped = [oshape[0], oshape[2], oshape[1], oshape[3]]  # bnhd instead of bhnd
+    with pytest.raises(WrongAnswer, match="expected"):
+        payloads.check_safetensors(_with_o(dtype, swapped, bytes(raw)), exp)
+
+    bits = np.frombuffer(raw, dtype=np.uint16).copy()
+    row = shape.b * shape.hq * shape.nq // 2
+    bits[row * shape.d + 3] = 0x7E00  # one NaN in the middle of the answer
+    with pytest.raises(WrongAnswer):
+        payloads.check_safetensors(_with_o(dtype, oshape, bits.tobytes()), exp)
+    with pytest.raises(WrongAnswer):  # a truncated answer
+        payloads.check_safetensors(_with_o(dtype, oshape, bytes(raw)[:-2]), exp)
+
+
+def test_check_json_and_oip_fail_wrong_answers():
+    rng = random.Random(3)
+    p = payloads.prepare(payloads.JSON_LIST, seed=2)
+    _, exp = payloads.json_list_body(p, rng)
+    o = np.broadcast_to(exp.c, exp.shape)
+    payloads.check_json(json.dumps({"o": o.tolist()}).encode(), exp)
+    with pytest.raises(WrongAnswer):
+        payloads.check_json(json.dumps({"o": (o * 1.01).tolist()}).encode(), exp)
+    with pytest.raises(WrongAnswer):
+        payloads.check_json(json.dumps({"o": o[:, :, :-1].tolist()}).encode(), exp)
+
+    p16 = payloads.prepare(payloads.SMALL, seed=2)
+    _, _, exp16 = payloads.oip_body(p16, rng)
+    raw = np.broadcast_to(exp16.c.astype(np.float16), exp16.shape).tobytes()
+    head = json.dumps({"outputs": [{"name": "o", "shape": exp16.shape, "datatype": "FP16",
+                                    "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    payloads.check_oip(head + raw, str(len(head)), exp16)
+    _, _, other = payloads.oip_body(p16, rng)
+    with pytest.raises(WrongAnswer):
+        payloads.check_oip(head + raw, str(len(head)), other)
+
+
+def test_check_samples_big_answers_and_still_catches_a_mix_up():
+    shape = payloads.Shape("big", 1, 8, 8, 1 << 16, 1, 16, "float16")  # 8M values > CHECK_LIMIT
+    rng = random.Random(4)
+    exp = payloads.Expected(shape.q_shape, "float16", payloads.random_c(rng, 16, "float16")[0])
+    other = payloads.Expected(shape.q_shape, "float16", payloads.random_c(rng, 16, "float16")[0])
+    raw = np.broadcast_to(exp.c.astype(np.float16), exp.shape).tobytes()
+    exp.check_bits(raw)
+    with pytest.raises(WrongAnswer):
+        other.check_bits(raw)
+
+
+# ---------------------------------------------------------------- what the summary derives
+
+
+def test_flops_count_causal_pairs_bottom_right():
+    s = payloads.Shape("c", 1, 1, 1, 17, 97, 8, "float16", causal=True)
+    brute = sum(1 for i in range(17) for j in range(97) if j <= i + 97 - 17)
+    assert s.pairs == brute
+    assert payloads.SMALL.flops == 4 * 12 * 128 * 128 * 64
+    assert payloads.PREFILL[0].pairs == 4096 * 4097 // 2
+
+
+def test_batch_sizes_from_metric_deltas():
+    name = "attnserve_inference_batch_size"
+    before = {f'{name}_bucket{{device="cpu",le="1.0"}}': 10, f'{name}_bucket{{device="cpu",le="4.0"}}': 10,
+              f'{name}_bucket{{device="cpu",le="+Inf"}}': 10, f'{name}_count{{device="cpu"}}': 10,
+              f'{name}_sum{{device="cpu"}}': 10}
+    after = {f'{name}_bucket{{device="cpu",le="1.0"}}': 12, f'{name}_bucket{{device="cpu",le="4.0"}}': 15,
+             f'{name}_bucket{{device="cpu",le="+Inf"}}': 15, f'{name}_count{{device="cpu"}}': 15,
+             f'{name}_sum{{device="cpu"}}': 24}
+    b = run.batch_sizes(before, after)
+    assert b["launches"] == 5 and b["mean"] == pytest.approx(14 / 5)
+    assert b["launches_by_size_le"] == {"1": 2, "4": 3}
+    assert run.batch_sizes(before, {"other_metric": 1.0}) is None
+
+
+def test_safetensors_header_is_what_the_library_reads():
+    from safetensors.numpy import load
+
+    raw = np.arange(6, dtype=np.float16).tobytes()
+    body = payloads.safetensors_header([("o", "float16", [2, 3], len(raw))]) + raw
+    assert struct.unpack_from("<Q", body)[0] % 8 == 0
+    np.testing.assert_array_equal(load(body)["o"], np.arange(6, dtype=np.float16).reshape(2, 3))
+
+
+def test_docs_name_only_real_options():
+    import re
+
+    text = (ROOT / "docs" / "loadtest.md").read_text()
+    documented = set(re.findall(r"^\| `(--[a-z-]+)", text, flags=re.M))
+    known = {o for a in run.build_parser()._actions for o in a.option_strings}
+    assert documented and documented <= known, documented - known

@@ -1,0 +1,209 @@
+"""Open Inference Protocol over gRPC, driven by Triton's own client (``tritonclient.grpc``, unchanged)
+against a real server: health, metadata, ModelInfer (FP16/BF16/FP32, parameters in each form, layer
+models), ModelStreamInfer, and error statuses.
+
+This module must not import ``service.grpc_oip``: tritonclient registers the same ``inference.*``
+messages in protobuf's default descriptor pool.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as tg
+from conftest import run_server
+from layer_fixtures import write_bert
+from test_grpc import FAST_WARMUP, assert_close_to_reference, make_qkv
+from tritonclient.utils import InferenceServerException
+
+from service.layers import load_layer
+
+NP = {torch.float16: np.float16, torch.float32: np.float32, torch.bfloat16: ml_dtypes.bfloat16,
+      torch.int32: np.int32, torch.int64: np.int64}
+OIP = {torch.float16: "FP16", torch.float32: "FP32", torch.bfloat16: "BF16", torch.int32: "INT32",
+       torch.int64: "INT64"}
+API_KEY = "oip-key"
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: go through float32 (exact)
+        return t.float().numpy().astype(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+def infer_input(name: str, t: torch.Tensor) -> tg.InferInput:
+    inp = tg.InferInput(name, list(t.shape), OIP[t.dtype])
+    inp.set_data_from_numpy(to_numpy(t))
+    return inp
+
+
+def attention_inputs(q, k, v, kv_lengths=None) -> list[tg.InferInput]:
+    named = {"q": q, "k": k, "v": v, "kv_lengths": kv_lengths}
+    return [infer_input(name, t) for name, t in named.items() if t is not None]
+
+
+@pytest.fixture(scope="module")
+def layer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt") / "bert"
+    write_bert(folder, prefix="")  # hidden 40, 5 heads
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, layer_dir):
+    with run_server(tmp_path_factory.mktemp("oip"), "--layer", f"bert0={layer_dir}:0", "--api-key", API_KEY,
+                    *FAST_WARMUP) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = tg.InferenceServerClient(server.grpc_target)
+    yield c
+    c.close()
+
+
+HEADERS = {"authorization": f"Bearer {API_KEY}"}
+
+
+def test_health_and_metadata(client):
+    assert client.is_server_live() and client.is_server_ready()  # probes need no key
+    assert client.is_model_ready("attention", headers=HEADERS)
+    assert client.is_model_ready("bert0", headers=HEADERS)
+    assert not client.is_model_ready("nope", headers=HEADERS)
+    assert client.get_server_metadata(headers=HEADERS).name == "attnserve"
+    meta = client.get_model_metadata("attention", headers=HEADERS)
+    assert [i.name for i in meta.inputs] == ["q", "k", "v", "kv_lengths"]
+    assert [o.name for o in meta.outputs] == ["o", "lse"]
+    layer = client.get_model_metadata("bert0", headers=HEADERS, as_json=True)
+    assert layer["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": ["-1", "-1", "40"]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_infer_matches_reference(client, dtype):
+    q, k, v = make_qkv((2, 4, 2, 17, 97, 40), dtype, seed=7)
+    result = client.infer("attention", attention_inputs(q, k, v), headers=HEADERS, request_id="r1")
+    assert result.get_response().id == "r1"
+    assert result.get_output("lse") is None  # lse only when asked for
+    assert_close_to_reference(to_torch(result.as_numpy("o")), q, k, v)
+
+
+@pytest.mark.parametrize("params", [
+    {"causal": True, "scale": 0.25, "return_lse": True},  # bool_param / double_param
+    {"causal": "true", "scale": "0.25", "return_lse": "True"},  # string_param
+    {"causal": 1, "scale": 0.25, "return_lse": 1, "some_unknown": "ignored"},  # int64_param; unknown ignored
+], ids=["typed", "strings", "ints"])
+def test_parameters_in_each_form(client, params):
+    q, k, v = make_qkv((1, 2, 2, 9, 12, 16), torch.float32, seed=1)
+    kv_lengths = torch.tensor([10], dtype=torch.int32)
+    inputs = attention_inputs(q, k, v, kv_lengths)
+    result = client.infer("attention", inputs, parameters=params, headers=HEADERS)
+    lse = to_torch(result.as_numpy("lse"))
+    assert_close_to_reference(to_torch(result.as_numpy("o")), q, k, v, causal=True, scale=0.25,
+                              kv_lengths=kv_lengths, lse=lse)
+
+
+def test_requested_outputs(client):
+    q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=2)
+    result = client.infer("attention", attention_inputs(q, k, v), outputs=[tg.InferRequestedOutput("lse")],
+                          headers=HEADERS)
+    assert result.as_numpy("o") is None and result.as_numpy("lse").shape == (1, 2, 8)
+
+
+def test_layer_model(client, layer_dir):
+    x = torch.randn(2, 7, 40, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(7, dtype=torch.int64).repeat(2, 1)
+    inputs = [infer_input("x", x), infer_input("positions", positions)]
+    result = client.infer("bert0", inputs, headers=HEADERS)
+    expected = load_layer("bert0", layer_dir, 0).to("cpu").forward(x, kernel="reference")
+    torch.testing.assert_close(to_torch(result.as_numpy("y")), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_stream_infer(client):
+    """24 requests on one ModelStreamInfer; one bad request is answered in-band and the stream goes on."""
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=HEADERS)
+    cases = {}
+    try:
+        for i in range(24):
+            dtype = (torch.float16, torch.bfloat16, torch.float32)[i % 3]
+            q, k, v = make_qkv((1, 2, 2, 5 + i, 13, 24), dtype, seed=50 + i)
+            cases[f"s{i}"] = (q, k, v)
+            client.async_stream_infer("attention", attention_inputs(q, k, v), request_id=f"s{i}",
+                                      parameters={"causal": i % 2 == 1})
+        client.async_stream_infer("attention", attention_inputs(q, k[..., :8], v), request_id="bad")
+        got, errors = {}, []
+        for _ in range(len(cases) + 1):
+            result, error = answers.get(timeout=60)
+            if error is not None:
+                errors.append(str(error))
+            else:
+                got[result.get_response().id] = to_torch(result.as_numpy("o"))
+    finally:
+        client.stop_stream()
+    assert len(errors) == 1 and "shape" in errors[0]
+    assert sorted(got) == sorted(cases)
+    for rid, (q, k, v) in cases.items():
+        assert_close_to_reference(got[rid], q, k, v, causal=int(rid[1:]) % 2 == 1)
+
+
+@pytest.mark.parametrize("case,status", [
+    ("unknown model", "StatusCode.NOT_FOUND"),
+    ("unknown input", "StatusCode.INVALID_ARGUMENT"),
+    ("missing input", "StatusCode.INVALID_ARGUMENT"),
+    ("bad parameter", "StatusCode.INVALID_ARGUMENT"),
+    ("head dim over 256", "StatusCode.INVALID_ARGUMENT"),
+    ("no key", "StatusCode.UNAUTHENTICATED"),
+])
+def test_errors(client, case, status):
+    q, k, v = make_qkv((1, 1, 1, 4, 4, 16), torch.float32, seed=0)
+    model, inputs, params, headers = "attention", attention_inputs(q, k, v), None, HEADERS
+    if case == "unknown model":
+        model = "nope"
+    elif case == "unknown input":
+        inputs.append(infer_input("w", q))
+    elif case == "missing input":
+        inputs = inputs[:2]
+    elif case == "bad parameter":
+        params = {"causal": "maybe"}
+    elif case == "head dim over 256":
+        inputs = attention_inputs(*make_qkv((1, 1, 1, 4, 4, 300), torch.float16, seed=0))
+    elif case == "no key":
+        headers = None
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model, inputs, parameters=params, headers=headers)
+    assert info.value.status() == status, info.value.message()
+
+
+def test_concurrent_clients(server):
+    """Eight threads, each with its own tritonclient, infer at once; every answer is its own."""
+    failures = []
+
+    def work(i):
+        c = tg.InferenceServerClient(server.grpc_target)
+        try:
+            q, k, v = make_qkv((1, 4, 4, 32, 32, 32), torch.float16, seed=200 + i)
+            o = to_torch(c.infer("attention", attention_inputs(q, k, v), headers=HEADERS).as_numpy("o"))
+            assert_close_to_reference(o, q, k, v)
+        except Exception as exc:  # noqa: BLE001 - collected and reported below
+            failures.append(exc)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures

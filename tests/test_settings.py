@@ -1,0 +1,55 @@
+"""One Settings object: flags > ATTNSERVE_* variables > defaults; --help documents every option."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from service.settings import Settings, build_parser, load_settings
+
+
+def test_defaults_match_the_contract(monkeypatch):
+    for name in Settings.model_fields:
+        monkeypatch.delenv(f"ATTNSERVE_{name.upper()}", raising=False)
+    s = load_settings([])
+    assert (s.http_port, s.grpc_port, s.device, s.max_queue_size) == (8000, 8001, "auto", 1024)
+    assert s.batching is True and s.max_body_mb >= 1024
+
+
+def test_flag_beats_env_beats_default(monkeypatch):
+    monkeypatch.setenv("ATTNSERVE_MAX_QUEUE_DELAY_MS", "7.5")
+    monkeypatch.setenv("ATTNSERVE_MAX_BATCH_TOKENS", "111")
+    s = load_settings(["--max-batch-tokens", "222"])
+    assert s.max_queue_delay_ms == 7.5 and s.max_batch_tokens == 222
+
+
+def test_bool_and_repeatable_flags(monkeypatch):
+    monkeypatch.delenv("ATTNSERVE_BATCHING", raising=False)
+    s = load_settings(["--no-batching", "--layer", "a=/m:0", "--layer", "b=/m:1"])
+    assert s.batching is False and s.layer == ["a=/m:0", "b=/m:1"]
+    monkeypatch.setenv("ATTNSERVE_BATCHING", "false")
+    assert load_settings([]).batching is False
+    assert load_settings(["--batching"]).batching is True
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError):
+        load_settings(["--max-queue-size", "lots"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--casual"])
+
+
+def test_help_documents_every_option():
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        assert f"ATTNSERVE_{name.upper()}" in text
+        assert field.description and " ".join(field.description.split())[:30] in text

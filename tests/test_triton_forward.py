@@ -1,0 +1,182 @@
+"""Numerics of the Triton forward kernels (flash, flash_v1) against a float64 reference.
+
+On the CPU these run under TRITON_INTERPRET=1 (conftest sets it); the ``gpu`` tests repeat the
+tables on CUDA with bfloat16, long sequences and the split-KV decode path. Error budget (STYLE.md
+§11): the kernel's error against float64 may be at most 2x the error of plain PyTorch in the same
+dtype, plus a small absolute slack.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.flash import flash_forward
+from kernels.flash_v1 import flash_v1_forward
+from kernels.reference import reference_attention
+
+HAS_CUDA = torch.cuda.is_available()
+# the interpreter's own numpy deprecation noise
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+KERNELS = {"flash": flash_forward, "flash_v1": flash_v1_forward}
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, kv_lengths) — a reason for each odd value
+CASES = {
+    "single_token": (1, 4, 4, 1, 1, 40, False, None),          # N = 1, D = 40: not a power of two
+    "gqa_odd": (2, 8, 2, 17, 17, 59, False, None),             # Hq/Hkv = 4, N = 17, D = 59 (odd)
+    "mqa_causal": (1, 5, 1, 97, 97, 72, True, None),           # 5 heads on one kv head, N = 97 prime
+    "causal_nq_lt_nk": (1, 2, 2, 17, 97, 111, True, None),     # bottom-right: every row sees 80+ keys
+    "causal_nq_gt_nk": (1, 2, 1, 97, 17, 40, True, None),      # rows 0..79 see no key: o = 0, lse = -inf
+    "d256": (1, 2, 2, 33, 65, 256, False, None),               # the largest head dim
+    "kv_lengths_zero": (3, 4, 2, 17, 97, 64, False, [0, 50, 97]),  # a batch row with no key at all
+    "kv_lengths_causal": (2, 2, 2, 97, 97, 40, True, [1, 60]),     # padding and the diagonal together
+    "long_kv": (1, 1, 1, 17, 1025, 72, True, None),            # N = 1025: one past a block boundary
+    "long_q": (1, 1, 1, 1025, 17, 59, False, None),
+}
+
+
+def plain_attention(q, k, v, *, causal, scale, kv_lengths=None):
+    """Plain PyTorch in the inputs' own dtype (what a user would write): the error yardstick."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    n_q, n_k = q.shape[2], k.shape[2]
+    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+    if causal:
+        mask = mask.tril(diagonal=n_k - n_q)
+    mask = mask[None, None]
+    if kv_lengths is not None:
+        mask = mask & (torch.arange(n_k, device=q.device) < kv_lengths[:, None].to(q.device))[:, None, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return p @ v
+
+
+def make(case, dtype, device=DEV, seed=0):
+    b, hq, hkv, n_q, n_k, d, causal, kvl = case
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype)
+               for h, n in ((hq, n_q), (hkv, n_k), (hkv, n_k)))
+    kv_lengths = None if kvl is None else torch.tensor(kvl, dtype=torch.int32, device=device)
+    return q, k, v, causal, d ** -0.5, kv_lengths
+
+
+def check_against_reference(o, lse, q, k, v, causal, scale, kv_lengths, abs_slack=1e-5):
+    ref_o, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal=causal, scale=scale,
+                                         kv_lengths=kv_lengths)
+    plain = plain_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert torch.isfinite(o).all(), "o has NaN/inf (unwritten or poisoned elements)"
+    err = (o.double() - ref_o).abs().max().item()
+    err_plain = (plain.double() - ref_o).abs().max().item()
+    assert err <= 2 * err_plain + abs_slack, f"kernel error {err:.3g} > 2 x plain PyTorch {err_plain:.3g}"
+    dead = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), dead), "lse must be -inf exactly on rows that see no key"
+    assert (o[dead] == 0).all(), "rows that see no key must give o = 0"
+    lse_err = (lse[~dead].double() - ref_lse[~dead]).abs().max().item() if (~dead).any() else 0.0
+    assert lse_err <= 1e-3 if q.dtype != torch.float32 else lse_err <= 1e-5, lse_err
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty in the launchers starts as NaN: an element the kernel forgets stays NaN."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_fp32(kernel, name, poisoned_empty):
+    q, k, v, causal, scale, kvl = make(CASES[name], torch.float32)
+    o, lse = KERNELS[kernel](q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl)
+
+
+FP16_CASES = ["gqa_odd", "causal_nq_gt_nk", "d256", "kv_lengths_causal"]
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("name", FP16_CASES)
+def test_forward_fp16(kernel, name, poisoned_empty):
+    q, k, v, causal, scale, kvl = make(CASES[name], torch.float16)
+    o, lse = KERNELS[kernel](q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("case", [
+    (2, 8, 2, 1, 700, 72, False, [0, 513]),      # decode, GQA packed into rows, one empty row
+    (1, 4, 4, 3, 900, 40, True, None),           # a few causal rows, split keys
+    (2, 2, 1, 9, 600, 59, True, [600, 100]),     # causal + padding across splits
+])
+def test_split_kv(case, splits, poisoned_empty):
+    q, k, v, causal, scale, kvl = make(case, torch.float32)
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=splits)
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_strided_bnhd_inputs(kernel):
+    """A flash-attn layout tensor (B, N, H, D) transposed to (B, H, N, D) is read in place."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 33, 4, 40, generator=g).to(DEV).transpose(1, 2)
+    k = torch.randn(2, 50, 2, 40, generator=g).to(DEV).transpose(1, 2)
+    v = torch.randn(2, 50, 2, 40, generator=g).to(DEV).transpose(1, 2)
+    assert not q.is_contiguous()
+    o, lse = KERNELS[kernel](q, k, v, causal=True, scale=0.3)
+    check_against_reference(o, lse, q, k, v, True, 0.3, None)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+GPU_CASES = {
+    **CASES,
+    "prefill_4k": (1, 8, 8, 4096, 4096, 128, True, None),
+    "prefill_d64": (2, 8, 8, 2048, 2048, 64, False, None),
+    "gqa_long": (1, 32, 8, 1024, 3000, 128, True, [3000]),
+    "decode_split": (2, 32, 8, 1, 8192, 128, False, [8192, 777]),
+    "decode_mqa_1": (1, 16, 1, 1, 65536, 128, False, None),
+}
+
+
+# every case in bf16 (the interpreter cannot check it); fp16/fp32 on a few (each is a compile)
+GPU_RUNS = [(name, torch.bfloat16) for name in sorted(GPU_CASES)] + [
+    (name, torch.float16) for name in ("prefill_4k", "prefill_d64", "gqa_long", "decode_split", "kv_lengths_zero")
+] + [(name, torch.float32) for name in ("gqa_odd", "decode_split", "causal_nq_gt_nk")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype", GPU_RUNS)
+def test_gpu_flash(name, dtype, poisoned_empty):
+    q, k, v, causal, scale, kvl = make(GPU_CASES[name], dtype, "cuda")
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype", [(n, torch.bfloat16) for n in (
+    "gqa_odd", "mqa_causal", "causal_nq_gt_nk", "kv_lengths_causal", "d256", "prefill_d64")] + [
+    ("prefill_d64", torch.float16), ("long_kv", torch.float16)])
+def test_gpu_flash_v1(name, dtype, poisoned_empty):
+    q, k, v, causal, scale, kvl = make(GPU_CASES[name], dtype, "cuda")
+    o, lse = flash_v1_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_gpu_split_counts_agree(splits):
+    q, k, v, causal, scale, kvl = make(GPU_CASES["decode_split"], torch.bfloat16, "cuda")
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=splits)
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
