@@ -36,6 +36,7 @@ __all__ = [
     "attention",
     "check_inputs",
     "choose",
+    "freeze_autotuning",
     "warmup",
 ]
 
@@ -67,3 +68,11 @@ def attention(
     impl = choose(spec, kernel)
     o, lse = impl.forward(q, k, v, causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
     return (o, lse) if return_lse else o
+
+
+def freeze_autotuning(frozen: bool = True) -> None:
+    """From now on, shapes the autotuner has not tuned run a default config instead of being tuned
+    on the spot (a service calls this after its warm-up; see ``kernels.flash.freeze_autotuning``)."""
+    from .flash import freeze_autotuning as freeze
+
+    freeze(frozen)

@@ -36,13 +36,35 @@ def autotune_enabled() -> bool:
     return os.environ.get("ATTNSERVE_AUTOTUNE", "1") not in ("", "0")
 
 
+_frozen = False
+
+
+def freeze_autotuning(frozen: bool = True) -> None:
+    """After a service's warm-up: a key the autotuner has not tuned yet runs its first pruned config
+    instead of being tuned on the request path (tuning compiles and times every config: seconds,
+    while the requests behind it wait). Keys tuned at warm-up keep their tuned config."""
+    global _frozen
+    _frozen = frozen
+
+
+def _tuned_already(tuned, args: tuple, meta: dict) -> bool:
+    """Whether ``tuned`` (a triton Autotuner) has a config for this launch's key; the key is built
+    exactly as triton 3.6's ``Autotuner.run`` builds it (key args, then every tensor's dtype)."""
+    all_args = {**dict(zip(tuned.arg_names, args)), **meta}
+    named = {k: v for k, v in all_args.items() if k in tuned.arg_names}
+    key = [named[k] for k in tuned.keys if k in named]
+    key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+    return tuple(key) in tuned.cache
+
+
 def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor) -> None:
-    """Run an autotuned kernel: tuned (default), its first pruned config (ATTNSERVE_AUTOTUNE=0),
-    or one small config under the interpreter. ``grid`` maps a config's kwargs to the grid."""
+    """Run an autotuned kernel: tuned (default), its first pruned config (ATTNSERVE_AUTOTUNE=0, or a
+    key not tuned before ``freeze_autotuning()``), or one small config under the interpreter.
+    ``grid`` maps a config's kwargs to the grid."""
     raw = tuned.fn
     if interpreting():
         raw[grid(_INTERPRET_CFG)](*args, **meta, **_INTERPRET_CFG)
-    elif not autotune_enabled():
+    elif not autotune_enabled() or (_frozen and not _tuned_already(tuned, args, meta)):
         cfg = tuned.early_config_prune(tuned.configs, {"Q": first_tensor}, **meta)[0]
         raw[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
                               num_stages=cfg.num_stages)
@@ -75,14 +97,20 @@ def _no_lengths(device: torch.device) -> torch.Tensor:
 def plan(b: int, hq: int, hkv: int, n_q: int, n_k: int, device: torch.device,
          num_splits: int | None = None) -> tuple[int, int, int]:
     """(pack, splits, keys_per_split) for a problem: pack GQA groups when queries are few; split
-    the key range when the grid would leave SMs idle and there are enough keys to share."""
+    the key range of decode-like problems (few query rows) when one batch element's grid would leave
+    SMs idle and there are enough keys to share.
+
+    The plan never depends on the batch size ``b``: the service concatenates requests along B, and
+    a request's answer in a batch must be bit for bit its answer alone (a different split count
+    would sum the keys in another order)."""
+    del b  # see above
     group = hq // hkv
     pack = group if (group > 1 and n_q * group <= 64) else 1
     if num_splits is None:
-        rows_per_prog = 16 if pack > 1 or n_q <= 64 else 128
-        programs = b * (hq // pack) * triton.cdiv(pack * n_q, rows_per_prog)
+        decode_like = pack > 1 or n_q <= 64
+        programs = (hq // pack) * triton.cdiv(pack * n_q, 16)  # per batch element
         target = 2 * _num_sms(device)
-        if programs >= target or n_k < 2 * SPLIT_KEY_QUANTUM:
+        if not decode_like or programs >= target or n_k < 2 * SPLIT_KEY_QUANTUM:
             num_splits = 1
         else:
             num_splits = min(triton.cdiv(target, programs), n_k // SPLIT_KEY_QUANTUM, 64)
@@ -165,4 +193,4 @@ def flops(b: int, hq: int, n_q: int, n_k: int, d: int, causal: bool) -> float:
     return f / 2 if causal else f
 
 
-__all__ = ["block_d", "combine", "flash_forward", "flops", "plan"]
+__all__ = ["block_d", "combine", "flash_forward", "flops", "freeze_autotuning", "plan"]

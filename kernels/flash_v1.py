@@ -4,8 +4,9 @@
 
 q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D), any strides. Grid (B·Hq, S): one program per (batch,
 query head) and key slice; O, m, l live in float32 HBM buffers of shape (S, B, Hq, Nq[, D]) between
-outer iterations, as in the seed; ``combine`` merges the S slices by their LSE. S grows only while
-B·Hq leaves SMs idle, and is capped so the float32 partials stay under ``PARTIAL_BYTES``.
+outer iterations, as in the seed; ``combine`` merges the S slices by their LSE. S grows while one
+batch element's Hq programs leave SMs idle (never with B, so batching does not change an answer),
+up to ``MAX_SPLITS``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ import triton
 from . import _flash_v1_kernels as kern
 from .flash import SPLIT_KEY_QUANTUM, _no_lengths, _num_sms, block_d, combine, launch
 
-PARTIAL_BYTES = 1 << 30
+MAX_SPLITS = 8
 
 
 def _splits(b: int, hq: int, n_q: int, n_k: int, d: int, device: torch.device,
             num_splits: int | None) -> tuple[int, int]:
+    # The split count depends on one batch element only, never on b: a request batched with others
+    # must sum its keys in the same order as alone (bit-identical answers). MAX_SPLITS bounds the
+    # float32 partials to MAX_SPLITS x the output (in float32) whatever the batch.
+    del b
     if num_splits is None:
-        want = triton.cdiv(2 * _num_sms(device), b * hq)
-        cap = max(1, PARTIAL_BYTES // (b * hq * n_q * d * 4))
-        num_splits = max(1, min(want, cap, n_k // (2 * SPLIT_KEY_QUANTUM), 64))
+        want = triton.cdiv(2 * _num_sms(device), hq)
+        num_splits = max(1, min(want, n_k // (2 * SPLIT_KEY_QUANTUM), MAX_SPLITS))
     num_splits = max(1, min(num_splits, triton.cdiv(n_k, SPLIT_KEY_QUANTUM), 64))
     kps = triton.cdiv(triton.cdiv(n_k, num_splits), SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
     return triton.cdiv(n_k, kps), kps

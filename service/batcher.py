@@ -65,6 +65,7 @@ class Batcher:
         self.workers = list(workers)
         self.settings = settings
         self.metrics = metrics
+        metrics.track_queue(lambda: self._queued, lambda: self._held)
         self._queues: dict[Hashable, deque[Pending]] = {}  # key -> FIFO of its pending requests
         self._queued = 0
         self._held = 0  # queued + running
@@ -97,7 +98,6 @@ class Batcher:
         self._queued += 1
         self._held += 1
         self._idle.clear()
-        self._gauges()
         self._wake.set()
         deadline = pending.request.deadline
         if deadline is not None:  # req.deadline is on time.monotonic()'s clock; the loop may have its own
@@ -121,7 +121,6 @@ class Batcher:
             self._queued -= 1
             if not q:
                 del self._queues[pending.key]
-            self._gauges()
 
     def _release(self, pending: Pending) -> None:
         """Count a request as no longer held (once: when answered, or dropped before launch)."""
@@ -129,7 +128,6 @@ class Batcher:
             return
         pending.released = True
         self._held -= 1
-        self._gauges()
         if self._held == 0:
             self._idle.set()
 
@@ -146,10 +144,6 @@ class Batcher:
             for p in pendings:
                 p.resolve(Unavailable("the server is shutting down"))
         self._queues.clear()
-
-    def _gauges(self) -> None:
-        self.metrics.queue_depth.set(self._queued)
-        self.metrics.pending.set(self._held)
 
     # ---- the dispatcher ---------------------------------------------------------------------------
 
@@ -234,7 +228,6 @@ class Batcher:
         if not q:
             del self._queues[key]
         self._queued -= len(batch)
-        self._gauges()
         return batch
 
     def _launch(self, worker: Worker, batch: list[Pending]) -> None:
@@ -242,7 +235,7 @@ class Batcher:
         tokens = sum(p.tokens for p in batch)
         for p in batch:
             p.launched = True
-            self.metrics.queue_duration.labels(p.kind).observe(now - p.enqueued)
+            self.metrics.queue_duration_of[p.kind].observe(now - p.enqueued)
         worker.inflight += 1
         worker.inflight_tokens += tokens
         task = asyncio.create_task(self._run_batch(worker, batch, tokens))

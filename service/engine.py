@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from typing import Any
 
@@ -65,13 +66,24 @@ class Engine:
     def devices(self) -> list[str]:
         return [w.name for w in self.workers]
 
-    async def start(self) -> None:
-        """Load layers, start a worker per device and warm each (concurrently); then ready."""
+    def prepare(self) -> None:
+        """Resolve the devices and load the layers: configuration errors (a bad ``--device``, a
+        broken ``--layer``) raise here, before the server binds a port. Idempotent."""
+        if self.workers:
+            return
+        sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000.0)
         devices = resolve_devices(self.settings.device)
-        self._layers = await asyncio.to_thread(_load_layers, self.settings)
+        self._layers = _load_layers(self.settings)
         self.workers = [Worker(d, self.settings, self.metrics, self._layers) for d in devices]
         self.batcher = Batcher(self.workers, self.settings, self.metrics)
+
+    async def start(self) -> None:
+        """Prepare (if not yet), start a worker per device and warm each (concurrently); then ready."""
+        if not self.workers:
+            await asyncio.to_thread(self.prepare)
         await asyncio.gather(*(w.start() for w in self.workers))
+        if not self.settings.autotune_new_shapes:
+            kernels.freeze_autotuning()  # no tuning on the request path from here on
         self.batcher.start()
         self._started = True
         self.metrics.ready.set(1)
@@ -112,8 +124,8 @@ class Engine:
         except ServiceError as exc:
             self.metrics.failure.labels(pending.kind, exc.code).inc()
             raise
-        self.metrics.success.labels(pending.kind).inc()
-        self.metrics.request_duration.labels(pending.kind).observe(time.monotonic() - t0)
+        self.metrics.success_of[pending.kind].inc()
+        self.metrics.request_duration_of[pending.kind].observe(time.monotonic() - t0)
         return result
 
     async def attend(self, req: AttentionRequest) -> AttentionResult:

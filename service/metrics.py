@@ -89,6 +89,17 @@ class Metrics:
             "attnserve_ready", "1 when every worker is warm and the engine is not draining", registry=r
         )
 
+        # Label children looked up once: ``labels()`` costs more than the observation itself.
+        kinds = ("attention", "layer")
+        self.success_of = {k: self.success.labels(k) for k in kinds}
+        self.queue_duration_of = {k: self.queue_duration.labels(k) for k in kinds}
+        self.request_duration_of = {k: self.request_duration.labels(k) for k in kinds}
+
+    def track_queue(self, queued, held) -> None:
+        """Read the batcher's counts (callables) at each scrape instead of setting them per request."""
+        self.queue_depth.set_function(queued)
+        self.pending.set_function(held)
+
     def track_device_memory(self, device: str) -> None:
         """Sample a CUDA device's memory at each scrape (no polling thread)."""
         import torch

@@ -1,6 +1,8 @@
 """Runs the whole service in one process and one event loop: the engine (workers + batcher), the
 HTTP server (uvicorn/FastAPI) and the gRPC server (grpc.aio), sharing the engine.
 
+Start-up: configuration errors (devices, layers) stop the process with exit code 2 before any port
+is bound; then both servers answer while the workers warm (/healthz alive, /readyz 503 until warm).
 On SIGTERM/SIGINT: stop taking new work, report not-ready, finish what is held, then exit.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 
 import uvicorn
 
@@ -18,11 +21,25 @@ from .settings import Settings
 log = logging.getLogger("attnserve")
 
 
-async def serve(settings: Settings) -> None:
-    from .grpc_server import create_server
+async def _serve_http(http: uvicorn.Server) -> bool:
+    """Run uvicorn; False when it could not start (it calls sys.exit on a port it cannot bind)."""
+    try:
+        await http.serve()
+    except SystemExit:
+        return False
+    return http.started
+
+
+async def serve(settings: Settings) -> int:
+    """Serve until a signal (or a failure); the process exit code."""
     from .http_app import create_app
 
     engine = Engine(settings)
+    try:
+        await asyncio.to_thread(engine.prepare)
+    except ValueError as exc:  # LayerConfigError is a ValueError too
+        log.error("cannot start: %s", exc)
+        return 2
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level.lower(),
@@ -30,7 +47,11 @@ async def serve(settings: Settings) -> None:
     )
     http = uvicorn.Server(config)
     http.install_signal_handlers = lambda: None  # signals are handled below, for both servers
-    grpc_server = create_server(engine, settings) if settings.grpc_port else None
+    grpc_server = None
+    if settings.grpc_port:
+        from .grpc_server import create_server
+
+        grpc_server = create_server(engine, settings)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -40,19 +61,27 @@ async def serve(settings: Settings) -> None:
     if grpc_server is not None:
         await grpc_server.start()
         log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
-    http_task = asyncio.create_task(http.serve())
-    # Warm-up runs while the servers already answer /healthz (alive) and /readyz (503 until warm).
+    http_task = asyncio.create_task(_serve_http(http))
     start_task = asyncio.create_task(engine.start())
+    stop_task = asyncio.create_task(stop.wait())
 
-    done, _ = await asyncio.wait({asyncio.create_task(stop.wait()), http_task, start_task},
-                                 return_when=asyncio.FIRST_COMPLETED)
-    if start_task in done and start_task.exception() is not None:
-        log.error("start-up failed: %s", start_task.exception())
-        stop.set()
-    if not stop.is_set() and start_task in done:
-        await asyncio.wait({asyncio.create_task(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    pending = {stop_task, http_task, start_task}
+    while not stop.is_set():
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if start_task in done and start_task.exception() is not None:
+            log.error("start-up failed: %s", start_task.exception())
+            exit_code = 1
+            break
+        if http_task in done:  # uvicorn stopped on its own: could not bind, or failed
+            log.error("the HTTP server stopped; shutting down")
+            exit_code = 1
+            break
+        if not pending - {stop_task}:
+            pending = {stop_task}
 
     log.info("shutting down: draining held requests")
+    stop_task.cancel()
     if not start_task.done():  # stopped while warming up: nothing was accepted yet
         start_task.cancel()
         await asyncio.gather(start_task, return_exceptions=True)
@@ -62,10 +91,11 @@ async def serve(settings: Settings) -> None:
     http.should_exit = True
     await http_task
     log.info("stopped")
+    return exit_code
 
 
 def main(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(settings))
+    sys.exit(asyncio.run(serve(settings)))

@@ -66,6 +66,16 @@ class Settings(BaseSettings):
     memory_fraction: float = Field(
         0.9, description="share of a GPU's memory a worker may plan to use; bigger requests are refused (413)"
     )
+    autotune_new_shapes: bool = Field(
+        False,
+        description="autotune kernel block sizes for shapes first seen while serving (each new shape then "
+        "blocks its worker for seconds); off: shapes outside --warmup-shapes run a default config",
+    )
+    gil_switch_interval_ms: float = Field(
+        0.5,
+        description="Python's thread switch interval: the event loop and the worker threads hand the GIL "
+        "to each other per batch, and the interpreter's 5 ms default adds up to that much per hand-off",
+    )
     log_level: str = Field("info", description="logging level")
 
     @property

@@ -6,17 +6,25 @@ requests carry q/k/v as (B, H, N, D) views, and ``layout`` says how to return ``
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import torch
 
+from .errors import BadRequest, InvalidInput
+
 LAYOUTS = ("bhnd", "bnhd")
 
 
+_ID_PREFIX = uuid.uuid4().hex[:12]  # unique per process; a counter makes the rest unique within it
+_ID_COUNTER = itertools.count()
+
+
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """A unique id without a syscall per request (uuid4 reads os.urandom every time)."""
+    return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
 
 
 @dataclass
@@ -39,7 +47,12 @@ class AttentionRequest:
     @classmethod
     def from_layout(cls, q, k, v, *, layout: str = "bhnd", **options) -> AttentionRequest:
         """Build from tensors in ``layout`` ("bhnd" or flash-attn's "bnhd" = (B, N, H, D))."""
+        if layout not in LAYOUTS:
+            raise BadRequest(f"unknown layout {layout!r}; use 'bhnd' (the default) or 'bnhd' (flash-attn's)")
         if layout == "bnhd":
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if t.dim() != 4:
+                    raise InvalidInput(f"{name} must have 4 dims [B, N, H, D] (layout bnhd), got {list(t.shape)}")
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, H, D) -> (B, H, N, D), a view
         return cls(q=q, k=k, v=v, layout=layout, **options)
 

@@ -96,6 +96,10 @@ def attention_memory(req: AttentionRequest, device_type: str) -> int:
     need = es * (2 * b * hq * nq * d + 2 * b * hkv * nk * d) + 4 * b * hq * nq + 8 * b
     if req.kernel == "reference":  # materialises S and P in float32, expands k/v to Hq heads
         need += 4 * (3 * b * hq * nq * nk + 2 * b * hq * nk * d + 2 * b * hq * nq * d)
+    elif req.kernel == "flash_v1":  # float32 O/m/l partials, one per key slice (kernels/flash_v1.py)
+        from kernels.flash_v1 import MAX_SPLITS
+
+        need += 4 * MAX_SPLITS * b * hq * nq * (d + 2)
     elif device_type == "cpu":  # the blockwise CPU path: float32 accumulators + one score block
         need += 4 * (3 * b * hq * nq * d + 3 * min(b * hq * nq * nk, 1 << 24))
     return need

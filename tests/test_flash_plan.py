@@ -1,0 +1,91 @@
+"""What the flash launcher decides before launching: its plan never depends on the batch size
+(batched answers equal lone ones bit for bit), and after ``freeze_autotuning()`` a key the autotuner never saw runs its first config instead of
+being tuned on the request path; a tuned key keeps its config. ``_tuned_already`` rebuilds triton's
+own autotuning key, so it is checked against the key triton itself stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import flash
+
+needs_interpreter = pytest.mark.skipif(not flash.interpreting(), reason="runs the kernels under TRITON_INTERPRET=1")
+
+# (Hq, Hkv, Nq, Nk): decode with GQA, decode MHA, short prefill, long decode
+PLAN_SHAPES = [(32, 8, 1, 8192), (8, 8, 1, 1024), (8, 8, 1024, 1024), (32, 32, 1, 65536)]
+
+
+@pytest.mark.parametrize("shape", PLAN_SHAPES)
+def test_plan_does_not_depend_on_batch(shape):
+    plans = {flash.plan(b, *shape, torch.device("cpu")) for b in (1, 2, 16, 64)}
+    assert len(plans) == 1
+
+
+@pytest.mark.parametrize("shape", PLAN_SHAPES)
+def test_flash_v1_key_slices_do_not_depend_on_batch(shape):
+    from kernels import flash_v1
+
+    hq, _, n_q, n_k = shape
+    assert len({flash_v1._splits(b, hq, n_q, n_k, 128, torch.device("cpu"), None) for b in (1, 2, 16, 64)}) == 1
+
+
+def test_decode_splits_the_keys():
+    _, splits, _ = flash.plan(1, 32, 8, 1, 8192, torch.device("cpu"))
+    assert splits > 1
+
+
+@pytest.mark.gpu
+def test_batched_decode_equals_lone_requests_bit_for_bit():
+    import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(16, 32, 1, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(16, 8, 8192, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    o, lse = kernels.attention(q, k, v, return_lse=True)
+    for i in (0, 5, 15):
+        o_i, lse_i = kernels.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], return_lse=True)
+        assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
+
+
+@pytest.fixture
+def fake_tuning(monkeypatch):
+    """Let the real triton Autotuner run on the CPU: no timing, one candidate config."""
+    flash.freeze_autotuning(False)  # an engine started earlier in this process froze it
+    monkeypatch.setattr(flash, "interpreting", lambda: False)  # take launch()'s GPU branches
+    tuned = flash.kern.attn_fwd_tuned
+    monkeypatch.setattr(tuned, "cache", {})
+    monkeypatch.setattr(tuned, "_bench", lambda *a, config, **k: [1.0, 1.0, 1.0])
+    small = [c for c in tuned.configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64][:1]
+    monkeypatch.setattr(tuned, "prune_configs", lambda kwargs, nargs=None: small)
+    calls = []
+    real_launch = flash.launch
+
+    def recording_launch(t, grid, args, meta, first):
+        calls.append((t, args, meta, flash._tuned_already(t, args, meta)))
+        real_launch(t, grid, args, meta, first)
+
+    monkeypatch.setattr(flash, "launch", recording_launch)
+    yield tuned, calls
+    flash.freeze_autotuning(False)
+
+
+def _qkv(dtype, n=16, d=32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, d, generator=g).to(dtype) for _ in range(3)]
+
+
+@needs_interpreter
+def test_key_matches_triton_and_frozen_keys_are_not_tuned(fake_tuning):
+    tuned, calls = fake_tuning
+    q, k, v = _qkv(torch.float32)
+    flash.flash_forward(q, k, v, causal=False, scale=0.2)  # tuned now: triton stores its own key
+    assert len(tuned.cache) == 1
+    flash.flash_forward(q, k, v, causal=False, scale=0.2)
+    assert calls[0][3] is False and calls[1][3] is True, "our key must equal the one triton stored"
+
+    flash.freeze_autotuning()
+    q16, k16, v16 = _qkv(torch.float16)
+    o, _ = flash.flash_forward(q16, k16, v16, causal=True, scale=0.2)  # an unseen key (dtype, causal)
+    assert len(tuned.cache) == 1, "a frozen autotuner must not tune a new key"
+    assert calls[-1][3] is False and torch.isfinite(o).all()

@@ -1,0 +1,41 @@
+"""Start-up of the real process: configuration errors stop it before any port is bound."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+
+from tests.conftest import run_server
+
+
+def test_broken_layer_stops_startup_with_a_clear_message(tmp_path):
+    with run_server(tmp_path, "--layer", "x=/nonexistent/ckpt:0", wait_ready=False) as server:
+        assert server.proc.wait(timeout=60) == 2
+        log = server.log()
+        assert "checkpoint folder /nonexistent/ckpt does not exist" in log
+        assert "Traceback" not in log
+
+
+def test_bad_device_stops_startup(tmp_path):
+    with run_server(tmp_path, "--device", "tpu:0", wait_ready=False) as server:
+        assert server.proc.wait(timeout=60) == 2
+        assert "--device" in server.log()
+
+
+def test_busy_http_port_stops_the_process(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with run_server(tmp_path, "--http-port", str(port), wait_ready=False) as server:
+            assert server.proc.wait(timeout=90) == 1
+            assert "HTTP server stopped" in server.log()
+
+
+def test_server_serves_then_stops_cleanly_on_sigterm(tmp_path):
+    with run_server(tmp_path) as server:
+        assert httpx.get(server.url + "/healthz").status_code == 200
+        server.proc.terminate()
+        assert server.proc.wait(timeout=60) == 0
+        assert "stopped" in server.log()
