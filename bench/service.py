@@ -55,6 +55,7 @@ async def _load(
     submitters: int,
     seconds: float,
     warmup_shapes: str,
+    **overrides,
 ) -> dict:
     """Closed loop: ``submitters`` coroutines each send one request, await it, send the next."""
     dtype_name = str(dtype).removeprefix("torch.")
@@ -62,6 +63,7 @@ async def _load(
         ["--device", device, "--warmup-shapes", warmup_shapes, "--warmup-dtypes", dtype_name],
         batching=batching,
         request_timeout_ms=600_000,
+        **overrides,
     )
     engine = Engine(settings)
     await engine.start()

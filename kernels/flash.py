@@ -50,7 +50,7 @@ def freeze_autotuning(frozen: bool = True) -> None:
 def _tuned_already(tuned, args: tuple, meta: dict) -> bool:
     """Whether ``tuned`` (a triton Autotuner) has a config for this launch's key; the key is built
     exactly as triton 3.6's ``Autotuner.run`` builds it (key args, then every tensor's dtype)."""
-    all_args = {**dict(zip(tuned.arg_names, args)), **meta}
+    all_args = {**dict(zip(tuned.arg_names, args, strict=False)), **meta}  # as triton does
     named = {k: v for k, v in all_args.items() if k in tuned.arg_names}
     key = [named[k] for k in tuned.keys if k in named]
     key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]

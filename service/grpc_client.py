@@ -9,10 +9,14 @@
         y = client.call_layer("minilm0", x)                        # x: (B, N, hidden)
         client.ready()                                             # True once the server is warm
         for request_id, o in client.attention_stream({"q": q, "k": k, "v": v} for _ in range(100)):
+            if isinstance(o, GrpcAttentionServiceError):           # this call failed; the others go on
+                ...
             ...                                                    # completion order, ids "0", "1", ...
 
 Errors raise ``GrpcAttentionServiceError`` (an ``AttentionServiceError``): ``status`` is the
 ``grpc.StatusCode``, ``code`` the service's code (e.g. "invalid_input"), ``message`` its message.
+On ``attention_stream`` a failed call is not raised but yielded in place of its result, the same
+error type with the same fields, and the stream goes on.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ def _error(exc: grpc.RpcError) -> GrpcAttentionServiceError:
     retry = trailers.get("retry-after")
     code = trailers.get("attnserve-error-code", exc.code().name.lower())
     return GrpcAttentionServiceError(exc.code(), code, exc.details() or "", float(retry) if retry else None)
+
+
+def _call_error(err) -> GrpcAttentionServiceError:
+    """An in-band attention.v1.CallError (AttendStream) -> the error a unary call would have raised."""
+    status = getattr(grpc.StatusCode, err.status, grpc.StatusCode.UNKNOWN)
+    retry = err.retry_after_s if err.HasField("retry_after_s") else None
+    return GrpcAttentionServiceError(status, err.code or status.name.lower(), err.message, retry)
 
 
 def _tensor(msg) -> torch.Tensor:
@@ -114,11 +125,17 @@ class GrpcAttentionClient:
         return _result(self._call(self._stub.Attend, req))
 
     def attention_stream(self, requests: Iterable[dict[str, Any]], timeout: float | None = None
-                         ) -> Iterator[tuple[str, Result]]:
+                         ) -> Iterator[tuple[str, Result | GrpcAttentionServiceError]]:
         """Many calls on one AttendStream. Each item holds ``attention``'s keyword arguments (q, k, v,
-        causal, ...) and optionally ``request_id`` (default: its position, "0", "1", ...). Yields
-        ``(request_id, o)`` or ``(request_id, (o, lse))`` in completion order. ``timeout`` bounds the
-        whole stream (default: the client's)."""
+        causal, ...) and optionally ``request_id`` (default: its position, "0", "1", ...).
+
+        Yields one ``(request_id, outcome)`` per call, in completion order, where ``outcome`` is
+        ``o``, ``(o, lse)`` (with ``return_lse``) or, for a call that failed, a
+        ``GrpcAttentionServiceError`` (yielded, not raised: ``status``, ``code``, ``message``,
+        ``retry_after_s``, as the same call on ``attention`` would raise). A failed call does not stop
+        the others. Only a stream-level failure raises ``GrpcAttentionServiceError`` and ends the
+        iteration: wrong API key, the stream's deadline (``timeout``, default the client's, bounds the
+        whole stream), server unreachable or going away."""
 
         def messages():
             for i, kwargs in enumerate(requests):
@@ -127,7 +144,7 @@ class GrpcAttentionClient:
         try:
             for resp in self._stub.AttendStream(messages(), timeout=timeout or self.timeout,
                                                 metadata=self._metadata):
-                yield resp.request_id, _result(resp)
+                yield resp.request_id, _call_error(resp.error) if resp.HasField("error") else _result(resp)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 

@@ -124,7 +124,10 @@ _END = object()
 async def run_concurrently(requests: AsyncIterator, handle: Callable[[int, object], Awaitable[object]],
                            window: int) -> AsyncIterator:
     """Yield ``await handle(i, request)`` for each request of the stream, concurrently, in completion
-    order. At most ``window`` calls are in flight; an exception of ``handle`` ends the stream."""
+    order. At most ``window`` calls are in flight. ``handle`` answers a failed call itself (in-band,
+    as AttendStream and ModelStreamInfer do); an exception it lets out ends the stream at once. An
+    exception of ``requests`` (a message that does not parse) ends the stream after the calls
+    already taken have been answered."""
     done: asyncio.Queue = asyncio.Queue()
     slots = asyncio.Semaphore(window)
     tasks: set[asyncio.Task] = set()
@@ -149,6 +152,8 @@ async def run_concurrently(requests: AsyncIterator, handle: Callable[[int, objec
             while tasks:
                 await asyncio.wait(set(tasks))
         except Exception as exc:
+            while tasks:  # answer the calls already taken, then end the stream with exc
+                await asyncio.wait(set(tasks))
             done.put_nowait((None, exc))
         done.put_nowait(_END)
 

@@ -4,13 +4,17 @@ inference.GRPCInferenceService (``grpc_oip``), grpc.health.v1.Health and server 
 
 Handlers only convert messages <-> internal requests (``grpc_codec``) and await the engine. Every
 status code is set in one place, ``ServiceInterceptor``: it checks the API key (``authorization:
-Bearer KEY`` metadata) and turns ``service.errors.ServiceError`` into the status of API.md §7.
+Bearer KEY`` metadata) and turns ``service.errors.ServiceError`` into the status of API.md §7. One
+function, ``error_status``, maps an exception to what the caller is told: the interceptor sends it as
+the call's status, and ``AttendStream`` sends it in-band (``AttendResponse.error``) for a call that
+failed, so that one bad call does not end a stream that carries many.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,16 +44,40 @@ MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's own ceiling for a message-size option
 
 # ---- one place for status codes ---------------------------------------------------------------
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """Turn an exception into the call's final status (API.md §7); never leaks a stack trace."""
+@dataclass(frozen=True)
+class ErrorStatus:
+    """What a caller is told about a failed call: gRPC status, service code, message, retry hint."""
+
+    status: grpc.StatusCode
+    code: str  # the service's stable code (service.errors), e.g. "invalid_input"
+    message: str
+    retry_after_s: float | None = None
+
+
+def error_status(exc: Exception) -> ErrorStatus:
+    """The one mapping of an exception to its status (API.md §7); never leaks a stack trace.
+    ``ServiceError`` carries its own; anything else is a bug: logged, and INTERNAL."""
     if isinstance(exc, ServiceError):
-        trailers = [("attnserve-error-code", exc.code)]
-        if exc.retry_after_s is not None:
-            trailers.append(("retry-after", f"{exc.retry_after_s:g}"))
-        await context.abort(grpc.StatusCode[exc.grpc_code], exc.message, trailing_metadata=tuple(trailers))
+        return ErrorStatus(grpc.StatusCode[exc.grpc_code], exc.code, exc.message, exc.retry_after_s)
     log.error("unexpected error in a gRPC handler", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL,
-                        f"internal error ({type(exc).__name__}); see the server log")
+    return ErrorStatus(grpc.StatusCode.INTERNAL, "internal",
+                       f"internal error ({type(exc).__name__}); see the server log")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with ``exc``'s status; trailers ``attnserve-error-code`` and ``retry-after``."""
+    err = error_status(exc)
+    trailers = [("attnserve-error-code", err.code)]
+    if err.retry_after_s is not None:
+        trailers.append(("retry-after", f"{err.retry_after_s:g}"))
+    await context.abort(err.status, err.message, trailing_metadata=tuple(trailers))
+
+
+def call_error(exc: Exception):
+    """``exc`` as an in-band attention.v1.CallError (AttendStream): what ``_abort`` would have sent."""
+    err = error_status(exc)
+    return pb.CallError(status=err.status.name, code=err.code, message=err.message,
+                        retry_after_s=err.retry_after_s)
 
 
 class _Malformed:
@@ -77,6 +105,17 @@ def _parsed(request):
     if isinstance(request, _Malformed):
         raise BadRequest(request.message)
     return request
+
+
+async def _parsed_stream(requests):
+    """A stream's requests; one that does not parse ends the stream (INVALID_ARGUMENT, naming its
+    position): without its request_id, no in-band answer could be matched to it."""
+    i = 0
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            raise BadRequest(f"stream message #{i} (zero-based): {request.message}")
+        yield request
+        i += 1
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
@@ -119,8 +158,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             async def bidi(request_iterator, context):
                 try:
                     check(details)
-                    requests = (_parsed(request) async for request in request_iterator)
-                    async for response in behavior(requests, context):
+                    async for response in behavior(_parsed_stream(request_iterator), context):
                         yield response
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
@@ -154,9 +192,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             rid = request.request_id or str(i)
             try:
                 return await self._attend(request, deadline, rid)
-            except ServiceError as exc:  # the stream ends with this call's status; say which call
-                message = f"request_id {rid!r}: {exc.message}"
-                raise type(exc)(message, retry_after_s=exc.retry_after_s) from None
+            except Exception as exc:  # answered in-band; the stream goes on (cancelling still ends it)
+                return pb.AttendResponse(request_id=rid, error=call_error(exc))
 
         async for response in grpc_codec.run_concurrently(request_iterator, one, STREAM_WINDOW):
             yield response

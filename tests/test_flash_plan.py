@@ -1,7 +1,8 @@
 """What the flash launcher decides before launching: its plan never depends on the batch size
-(batched answers equal lone ones bit for bit), and after ``freeze_autotuning()`` a key the autotuner never saw runs its first config instead of
-being tuned on the request path; a tuned key keeps its config. ``_tuned_already`` rebuilds triton's
-own autotuning key, so it is checked against the key triton itself stored."""
+(batched answers equal lone ones bit for bit), and after ``freeze_autotuning()`` a key the
+autotuner never saw runs its first config instead of being tuned on the request path; a tuned key
+keeps its config. ``_tuned_already`` rebuilds triton's own autotuning key, so it is checked
+against the key triton itself stored."""
 
 from __future__ import annotations
 

@@ -208,12 +208,90 @@ def test_stream_helper_assigns_ids(client):
     assert_close_to_reference(got["0"], q, k, v)
 
 
-def test_stream_error_ends_stream_naming_the_call(stub):
+def _bad_stream_calls():
+    """Calls that fail on their own: (message, expected gRPC status name, service code, text in message)."""
     q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=11)
-    bad = attend_msg(q, k[:, :, :, :8], v, request_id="the-bad-one")
-    err = status_of(lambda: list(stub.AttendStream(iter([attend_msg(q, k, v), bad]), timeout=60)))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "the-bad-one" in err.details()
+    big_d = make_qkv((1, 1, 1, 4, 4, 300), torch.float16, seed=0)
+    return [
+        (attend_msg(q, k[:, :, :, :8], v), "INVALID_ARGUMENT", "invalid_input", ""),  # wrong shape
+        (attend_msg(*big_d), "INVALID_ARGUMENT", "invalid_input", "256"),
+        (attend_msg(q, k, v, kernel="fastest"), "INVALID_ARGUMENT", "invalid_input", "fastest"),
+        (pb.AttendRequest(q=tensor_to_pb(q), v=tensor_to_pb(v)), "INVALID_ARGUMENT", "bad_request", "'k'"),
+    ]
+
+
+def test_stream_bad_calls_answered_in_band(stub):
+    """40 calls on one stream, a few bad ones mixed in: every good call gets its right answer, every bad
+    one an in-band error equal to what Attend would end with, and the stream ends normally (OK)."""
+    rng = random.Random(1)
+    bad = _bad_stream_calls()
+    good, wrong, order = {}, {}, []
+    for i in range(40):
+        rid = f"call-{i}"
+        if i % 9 == 4:  # calls 4, 13, 22, 31: one of each kind of bad call
+            msg, status, code, text = bad[len(wrong)]
+            msg.request_id = rid
+            wrong[rid] = (msg, status, code, text)
+        else:
+            shape, dtype = rng.choice(SHAPES), rng.choice(DTYPES)
+            q, k, v = make_qkv(shape, dtype, seed=2000 + i)
+            good[rid] = (q, k, v, i % 2 == 0)
+            msg = attend_msg(q, k, v, causal=i % 2 == 0, return_lse=i % 3 == 0, request_id=rid)
+        order.append(msg)
+    call = stub.AttendStream(iter(order), timeout=120)
+    seen = []
+    for resp in call:
+        seen.append(resp.request_id)
+        if resp.request_id in good:
+            q, k, v, causal = good[resp.request_id]
+            assert not resp.HasField("error")
+            lse = tensor_from_pb(resp, "lse") if resp.HasField("lse") else None
+            assert_close_to_reference(tensor_from_pb(resp, "o"), q, k, v, causal=causal, lse=lse)
+            continue
+        msg, status, code, text = wrong[resp.request_id]
+        assert resp.HasField("error") and not resp.HasField("o") and not resp.HasField("lse")
+        err = resp.error
+        assert (err.status, err.code) == (status, code) and text in err.message, err
+        assert not err.HasField("retry_after_s") and "Traceback" not in err.message
+        unary = status_of(stub.Attend, msg, timeout=60)  # the same as Attend's status and trailer
+        assert unary.code().name == err.status and unary.details() == err.message
+        assert dict(unary.trailing_metadata())["attnserve-error-code"] == err.code
+    assert sorted(seen) == sorted(m.request_id for m in order)  # one answer per call
+    assert call.code() == grpc.StatusCode.OK
+
+
+def test_stream_helper_yields_errors_in_place(client):
+    """attention_stream yields a failed call's GrpcAttentionServiceError in place of its result."""
+    q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=12)
+    calls = [{"q": q, "k": k, "v": v, "causal": True} for _ in range(10)]
+    calls[2] = {**calls[2], "kernel": "fastest"}
+    calls[7] = {"q": q, "k": k[..., :8], "v": v, "request_id": "mine"}
+    got = dict(client.attention_stream(calls))
+    assert sorted(got) == sorted([str(i) for i in range(10) if i != 7] + ["mine"])
+    for rid, outcome in got.items():
+        if rid in ("2", "mine"):
+            assert isinstance(outcome, GrpcAttentionServiceError)
+            assert outcome.status == grpc.StatusCode.INVALID_ARGUMENT and outcome.message
+        else:
+            assert_close_to_reference(outcome, q, k, v, causal=True)
+    assert got["2"].code == "invalid_input" and "fastest" in got["2"].message
+    assert got["mine"].code == "invalid_input"
+
+
+def test_stream_queue_full_in_band(strict):
+    """--max-queue-size 1: of 8 slow calls on one stream, some come back queue_full (with retry-after)
+    in-band, the rest with their answers; the stream finishes."""
+    q, k, v = make_qkv((1, 4, 4, 2048, 2048, 16), torch.float32, seed=0)  # 1.5 MiB, ~0.1 s each
+    with GrpcAttentionClient(strict.grpc_target, api_key=API_KEY) as c:
+        got = dict(c.attention_stream({"q": q, "k": k, "v": v, "kernel": "reference"} for _ in range(8)))
+    assert sorted(got) == [str(i) for i in range(8)]
+    refused = [o for o in got.values() if isinstance(o, GrpcAttentionServiceError)]
+    assert refused and len(refused) < 8, got
+    for err in refused:
+        assert (err.status, err.code) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full")
+        assert err.retry_after_s is not None and err.retry_after_s > 0
+    o = next(o for o in got.values() if not isinstance(o, GrpcAttentionServiceError))
+    assert o.shape == q.shape and torch.isfinite(o).all()
 
 
 # ---------------------------------------------------------------- layers
@@ -274,9 +352,19 @@ def test_unparsable_message_is_invalid_argument(channel, method):
 
 
 def test_unparsable_message_on_a_stream(channel):
+    """A message that does not parse has no readable request_id: it ends the stream (INVALID_ARGUMENT,
+    naming its position), after the calls read before it have been answered."""
+    q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=13)
+    good = [attend_msg(q, k, v, request_id=f"g{i}").SerializeToString() for i in range(2)]
     stream = channel.stream_stream("/attention.v1.AttentionService/AttendStream")
-    err = status_of(lambda: list(stream(iter([b"\xff\xff"]), timeout=10)))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    call = stream(iter([*good, b"\xff\xff"]), timeout=10)
+    answered = []
+    with pytest.raises(grpc.RpcError):
+        for raw in call:
+            answered.append(pb.AttendResponse.FromString(raw).request_id)
+    assert call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "#2" in call.details() and "does not parse" in call.details()
+    assert sorted(answered) == ["g0", "g1"]
 
 
 def test_head_dim_message_is_actionable(client):
