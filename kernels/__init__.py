@@ -55,7 +55,9 @@ def attention(
 
     q: (batch, heads_q, seqlen_q, headdim); k, v: (batch, heads_kv, seqlen_k, headdim), with
     heads_q % heads_kv == 0 (GQA/MQA). causal is bottom-right aligned (query i sees key j iff
-    j <= i + seqlen_k - seqlen_q); kv_lengths (batch,) masks keys at positions >= kv_lengths[b].
+    j <= i + seqlen_k - seqlen_q); kv_lengths (batch,) masks keys at positions >= kv_lengths[b]
+    (values outside [0, seqlen_k] are refused for CPU tensors and clamped for CUDA ones, where
+    checking them would synchronise the device).
     Returns o (batch, heads_q, seqlen_q, headdim) in q's dtype, and with return_lse also the
     float32 natural-log logsumexp (batch, heads_q, seqlen_q). Rows that see no key give o = 0 and
     lse = -inf.

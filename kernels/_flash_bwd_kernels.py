@@ -253,7 +253,7 @@ def _cfg(bm, bn, w, s):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
 
 
-# two configs per class: the dK/dV kernel takes ~10 s to compile each
+# two or three configs per class: the dK/dV kernel takes ~10 s to compile each
 _DKDV = {64: [_cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3)],
          128: [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 2)],
          256: [_cfg(32, 64, 4, 2), _cfg(16, 64, 4, 2)]}

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from . import _flash_bwd_kernels as kern
-from .flash import _bucket, _no_lengths, block_d, flash_forward, launch
+from .flash import _bucket, block_d, flash_forward, kv_length_arg, launch
 
 
 def flash_backward(
@@ -31,10 +31,7 @@ def flash_backward(
     bd = block_d(d)
     kern.bwd_preprocess[(triton.cdiv(n_q, 64), b * hq)](
         o, do, delta, *o.stride(), *do.stride(), hq, n_q, D=d, BLOCK_D=bd, BLOCK_M=64)
-    if kv_lengths is not None:
-        kv_len = kv_lengths.to(device=dev, dtype=torch.int32).contiguous()
-    else:
-        kv_len = _no_lengths(dev)
+    kv_len = kv_length_arg(kv_lengths, n_k, dev)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     meta = dict(D=d, BLOCK_D=bd, IS_CAUSAL=bool(causal), HAS_KV_LEN=kv_lengths is not None,
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")

@@ -108,6 +108,3 @@ def choose(spec: AttnSpec, kernel: str = "auto") -> Choice:
                  str(spec.dtype).replace("torch.", ""), name,
                  "; ".join(f"{k}: {v}" for k, v in refused.items()) or "none")
     return Choice(name, _load(name), refused)
-
-
-_triton_refusal = triton_refusal  # the name of the first version

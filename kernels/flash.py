@@ -21,13 +21,15 @@ import torch
 import triton
 
 from . import _flash_fwd_kernels as kern
+from .dispatch import triton_interpret
 
 _INTERPRET_CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 SPLIT_KEY_QUANTUM = 256  # keys per split are a multiple of this (a multiple of every BLOCK_N)
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs its kernels on the CPU (``TRITON_INTERPRET=1``)."""
+    return triton_interpret()
 
 
 def autotune_enabled() -> bool:
@@ -94,6 +96,15 @@ def _no_lengths(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def kv_length_arg(kv_lengths: torch.Tensor | None, n_k: int, device: torch.device) -> torch.Tensor:
+    """The kernels' KV_LEN argument: int32 (B,) clamped to [0, Nk] on the device (``check_inputs``
+    refuses out-of-range lengths only on the host, where reading them costs no device sync; the
+    kernels' unmasked loop must never run past Nk), or a placeholder when there are none."""
+    if kv_lengths is None:
+        return _no_lengths(device)
+    return kv_lengths.to(device=device, dtype=torch.int32).clamp(0, n_k).contiguous()
+
+
 def plan(b: int, hq: int, hkv: int, n_q: int, n_k: int, device: torch.device,
          num_splits: int | None = None) -> tuple[int, int, int]:
     """(pack, splits, keys_per_split) for a problem: pack GQA groups when queries are few; split
@@ -137,10 +148,7 @@ def flash_forward(
     dev = q.device
     o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
-    if kv_lengths is not None:
-        kv_len = kv_lengths.to(device=dev, dtype=torch.int32).contiguous()
-    else:
-        kv_len = _no_lengths(dev)
+    kv_len = kv_length_arg(kv_lengths, n_k, dev)
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
     bd = block_d(d)
     rows = pack * n_q

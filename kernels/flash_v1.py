@@ -15,7 +15,7 @@ import torch
 import triton
 
 from . import _flash_v1_kernels as kern
-from .flash import SPLIT_KEY_QUANTUM, _no_lengths, _num_sms, block_d, combine, launch
+from .flash import SPLIT_KEY_QUANTUM, _num_sms, block_d, combine, kv_length_arg, launch
 
 MAX_SPLITS = 8
 
@@ -53,10 +53,7 @@ def flash_v1_forward(
     o_part = torch.zeros(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
     m_part = torch.full((splits, b, hq, n_q), float("-inf"), dtype=torch.float32, device=dev)
     l_part = torch.zeros(splits, b, hq, n_q, dtype=torch.float32, device=dev)
-    if kv_lengths is not None:
-        kv_len = kv_lengths.to(device=dev, dtype=torch.int32).contiguous()
-    else:
-        kv_len = _no_lengths(dev)
+    kv_len = kv_length_arg(kv_lengths, n_k, dev)
     args = (
         q, k, v, o_part, m_part, l_part, kv_len,
         *q.stride(), *k.stride(), *v.stride(),

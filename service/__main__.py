@@ -2,8 +2,17 @@
 
 import sys
 
+from pydantic import ValidationError
+
 from .server import main
-from .settings import load_settings
+from .settings import build_parser, load_settings
 
 if __name__ == "__main__":
-    main(load_settings(sys.argv[1:]))
+    try:
+        settings = load_settings(sys.argv[1:])
+    except ValidationError as exc:  # a usage error, not a traceback
+        problems = "; ".join(
+            f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+        )
+        build_parser().error(problems)
+    main(settings)

@@ -35,9 +35,20 @@ class AttentionServiceError(Exception):
 
 
 def _pack(tensors: dict[str, torch.Tensor | None]) -> bytes:
-    return safetensors.torch.save(
-        {k: t.detach().to("cpu").contiguous() for k, t in tensors.items() if t is not None}
-    )
+    """Tensors -> a safetensors file. safetensors refuses tensors that share memory, so a tensor
+    whose storage an earlier one uses (self-attention: ``attention(x, x, x)``) is copied."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(ptr)
+        out[name] = t
+    return safetensors.torch.save(out)
 
 
 def _bool(value: bool) -> str:
@@ -87,8 +98,11 @@ class AttentionClient:
             code, message = (err["code"], err["message"]) if isinstance(err, dict) else (code, str(err))
         except (orjson.JSONDecodeError, KeyError, TypeError):
             pass
-        retry = r.headers.get("retry-after")
-        raise AttentionServiceError(r.status_code, code, message, float(retry) if retry else None)
+        try:  # seconds, as this service sends; a proxy may send an HTTP date instead
+            retry = float(r.headers["retry-after"])
+        except (KeyError, ValueError):
+            retry = None
+        raise AttentionServiceError(r.status_code, code, message, retry)
 
     def attention(
         self,

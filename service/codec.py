@@ -20,6 +20,12 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# the dtypes attention computes in (settings such as --warmup-dtypes and --layer-dtype name these)
+FLOAT_DTYPES: dict[str, torch.dtype] = {k: v for k, v in DTYPES.items() if v.is_floating_point}
+
+# The wire is little-endian and tensors are read and written as raw host memory (no byte swapping).
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("attnserve's tensor codec needs a little-endian host")
 
 # Open Inference Protocol (KServe v2) datatypes
 OIP_DTYPES: dict[str, torch.dtype] = {
@@ -62,8 +68,6 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, shape: list[int], dt
     with warnings.catch_warnings():  # read-only request bytes: the kernels never write inputs
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(memoryview(data), dtype=dtype)
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        t = t.byteswap()
     return t.view(shape)
 
 

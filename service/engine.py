@@ -28,26 +28,21 @@ from typing import Any
 import kernels
 
 from .batcher import Batcher, Pending
-from .errors import InvalidInput, NotFound, PayloadTooLarge, ServiceError, Unavailable, from_kernel_error
+from .errors import BadRequest, NotFound, PayloadTooLarge, ServiceError, Unavailable, from_kernel_error
 from .metrics import Metrics
 from .settings import Settings
-from .types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
-from .worker import Worker, attention_memory, layer_memory, resolve_devices
+from .types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
+from .worker import Worker, attention_memory, layer_memory, parse_dtypes, parse_shapes, resolve_devices
 
 log = logging.getLogger("attnserve.engine")
 
 
 def _load_layers(settings: Settings) -> dict[str, Any]:
-    """The model layers of ``--layer`` (service/layers.py; none when that module is absent)."""
+    """The model layers of ``--layer`` (service/layers.py)."""
     if not settings.layer:
         return {}
-    try:
-        from . import layers
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.layers":
-            raise
-        log.warning("--layer given but service/layers.py is not available: no layers are served")
-        return {}
+    from . import layers
+
     return layers.load_layers(settings)
 
 
@@ -73,6 +68,8 @@ class Engine:
             return
         sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000.0)
         devices = resolve_devices(self.settings.device)
+        parse_shapes(self.settings.warmup_shapes)  # a bad warm-up option fails here, before any port is bound
+        parse_dtypes(self.settings.warmup_dtypes)
         self._layers = _load_layers(self.settings)
         self.workers = [Worker(d, self.settings, self.metrics, self._layers) for d in devices]
         self.batcher = Batcher(self.workers, self.settings, self.metrics)
@@ -138,12 +135,12 @@ class Engine:
                 )
             except kernels.AttentionInputError as exc:
                 raise from_kernel_error(exc) from None
-            if req.kernel not in kernels.KERNELS:
-                raise InvalidInput(
+            if req.kernel not in kernels.KERNELS:  # a bad option value: 400, as API.md §7 says
+                raise BadRequest(
                     f"unknown kernel {req.kernel!r}; choose one of {', '.join(kernels.KERNELS)}"
                 )
-            if req.layout not in ("bhnd", "bnhd"):
-                raise InvalidInput(f"unknown layout {req.layout!r}; use 'bhnd' or 'bnhd'")
+            if req.layout not in LAYOUTS:
+                raise BadRequest(f"unknown layout {req.layout!r}; use 'bhnd' or 'bnhd'")
             memory = attention_memory(req, self.workers[0].device.type)
             self._check_memory(memory, "this attention request")
         except ServiceError as exc:
@@ -175,27 +172,10 @@ class Engine:
             layer = self._layers.get(req.layer)
             if layer is None:
                 raise NotFound(f"unknown layer {req.layer!r}; GET /layers lists the loaded ones")
-            hidden = layer.info.hidden_size
-            x = req.x
-            if x.dim() != 3 or x.shape[-1] != hidden or x.shape[0] < 1 or x.shape[1] < 1:
-                raise InvalidInput(
-                    f"x must have shape [B, N, {hidden}] for layer {req.layer!r}, got {list(x.shape)}"
-                )
-            if not x.is_floating_point():
-                raise InvalidInput(f"x must be a float tensor, got {x.dtype}")
-            b, n = x.shape[0], x.shape[1]
-            if req.positions is not None and (
-                req.positions.shape != (b, n) or req.positions.is_floating_point()
-            ):
-                raise InvalidInput(
-                    f"positions must be int64 [B, N] = [{b}, {n}], got "
-                    f"{req.positions.dtype} {list(req.positions.shape)}"
-                )
-            if req.kv_lengths is not None:
-                kvl = req.kv_lengths
-                if kvl.shape != (b,) or kvl.is_floating_point() or int(kvl.min()) < 0 or int(kvl.max()) > n:
-                    raise InvalidInput(f"kv_lengths must be integers [B] = [{b}] within [0, {n}]")
-            self._check_memory(layer_memory(req, hidden), f"this call of layer {req.layer!r}")
+            layer.check_call(req.x, req.positions, req.kv_lengths)
+            b, n = req.x.shape[0], req.x.shape[1]
+            memory = layer_memory(req, layer.info.hidden_size)
+            self._check_memory(memory, f"this call of layer {req.layer!r}")
         except ServiceError as exc:
             self.metrics.failure.labels("layer", exc.code).inc()
             raise
@@ -203,14 +183,12 @@ class Engine:
         key = (
             "layer",
             req.layer,
-            req.x.shape[1],
+            n,
             bool(req.causal),
             req.positions is not None,
             req.kv_lengths is not None,
         )
-        pending = Pending(
-            req, key, tokens=req.x.shape[0] * req.x.shape[1], memory=layer_memory(req, hidden), kind="layer"
-        )
+        pending = Pending(req, key, tokens=b * n, memory=memory, kind="layer")
         return await self._submit(pending)
 
     def layer_infos(self) -> list:

@@ -40,13 +40,18 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/
 
 
 def error_response(
-    path: str, status: int, code: str, message: str, retry_after_s: float | None = None
+    path: str,
+    status: int,
+    code: str,
+    message: str,
+    retry_after_s: float | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Response:
     """The error body of a route: ``{"error": {"code", "message"}}``, or ``{"error": msg}`` on /v2."""
     body: dict[str, Any] = (
         {"error": message} if path.startswith("/v2") else {"error": {"code": code, "message": message}}
     )
-    headers = {}
+    headers = dict(headers or {})  # e.g. Allow on a 405
     if status == 429:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s or 1)))
     if status == 401:
@@ -80,7 +85,7 @@ def install_error_handlers(app: FastAPI) -> None:
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
-        return error_response(request.url.path, exc.status_code, code, message)
+        return error_response(request.url.path, exc.status_code, code, message, headers=exc.headers)
 
     app.add_exception_handler(ServiceError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -396,7 +401,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     metrics = HttpMetrics()
     app.add_middleware(EdgeMiddleware, settings=settings, metrics=metrics)
     install_error_handlers(app)
-    limit = settings.max_body_bytes
+    limit, json_limit = settings.max_body_bytes, settings.max_json_bytes
 
     def begin(request: Request) -> tuple[str, float, float]:
         arrived = time.monotonic()
@@ -409,7 +414,9 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
             raise wire.UnsupportedMediaType(
                 f"unsupported Content-Type {mtype or '(none)'!r}; send {wire.SAFETENSORS} or {wire.JSON}"
             )
-        return await wire.read_body(request, limit), mtype
+        if mtype == wire.SAFETENSORS:
+            return await wire.read_body(request, limit), mtype
+        return await wire.read_body(request, json_limit, "--max-json-mb"), mtype
 
     @app.post(
         "/attention",

@@ -1,6 +1,7 @@
 """HTTP wire format <-> the internal request/result types, for the native routes (``http_app``) and
 the Open Inference Protocol routes (``http_oip``). No kernel, queue or shape logic here: shapes and
-dtypes are checked by the engine/kernels (422); this module only refuses what it cannot decode (400).
+dtypes are checked by the engine/kernels (422); this module refuses what it cannot decode (400) and,
+before a layout transpose, q/k/v that are not 4-D (422, ``check_dims``).
 
 Encodings of a tensor (API.md §2):
     safetensors   the body is a safetensors file; parsed without copying the tensor bytes
@@ -17,7 +18,7 @@ import binascii
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -27,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 import kernels
 
 from .codec import DTYPE_NAMES, dtype_from_name, tensor_from_bytes, tensor_to_bytes
-from .errors import BadRequest, DeadlineExceeded, PayloadTooLarge, UnsupportedMediaType
+from .errors import BadRequest, DeadlineExceeded, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from .settings import Settings
 from .types import LAYOUTS, AttentionRequest, LayerRequest
 
@@ -45,6 +46,7 @@ SAFETENSORS_IGNORED_METADATA = ("format",)  # written by transformers/safetensor
 
 MAX_DIMS = 8  # deepest tensor we decode; also bounds nested-list recursion
 MAX_JSON_ELEMENTS = 1 << 27  # numbers in one JSON tensor
+MAX_SAFETENSORS_HEADER = 1 << 20  # q, k, v, kv_lengths and option strings need < 1 KiB
 OFFLOAD_BYTES = 1 << 18  # decode/encode bodies larger than this in a thread, off the event loop
 
 # safetensors dtype names (the kernels refuse the ones they do not run, with a 422)
@@ -73,10 +75,16 @@ def media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The request body, read chunk by chunk; 413 as soon as it passes ``limit`` bytes."""
+async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -> bytearray:
+    """The request body, read chunk by chunk; 413 as soon as it passes ``limit`` bytes.
+
+    The buffer grows with the bytes that actually arrive (not with what Content-Length claims), so
+    a client that declares a large body and sends none of it holds no memory; growing a large
+    bytearray is a ``realloc`` the allocator does in place (mremap), as cheap as preallocating.
+    """
     too_large = PayloadTooLarge(
-        f"the request body is over the limit of {limit / 2**20:g} MiB (--max-body-mb)"
+        f"the request body is over the limit of {limit / 2**20:g} MiB ({flag})"
+        + ("; send large tensors as application/x-safetensors" if flag == "--max-json-mb" else "")
     )
     declared = request.headers.get("content-length")
     expected: int | None = None
@@ -87,24 +95,19 @@ async def read_body(request: Request, limit: int) -> bytearray:
             raise BadRequest(f"Content-Length {declared!r} is not an integer") from None
         if expected > limit:
             raise too_large
-    buf = bytearray(expected) if expected is not None else bytearray()
-    pos = 0
+    buf = bytearray()
     try:
         async for chunk in request.stream():
-            end = pos + len(chunk)
+            end = len(buf) + len(chunk)
             if end > limit:
                 raise too_large
-            if expected is not None:
-                if end > expected:
-                    raise BadRequest("the body is longer than its Content-Length")
-                buf[pos:end] = chunk
-            else:
-                buf += chunk
-            pos = end
+            if expected is not None and end > expected:
+                raise BadRequest("the body is longer than its Content-Length")
+            buf += chunk
     except ClientDisconnect:
         raise BadRequest("the client disconnected before sending the whole body") from None
-    if expected is not None and pos != expected:
-        raise BadRequest(f"the body has {pos} bytes, its Content-Length says {expected}")
+    if expected is not None and len(buf) != expected:
+        raise BadRequest(f"the body has {len(buf)} bytes, its Content-Length says {expected}")
     return buf
 
 
@@ -219,6 +222,8 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
     (hlen,) = struct.unpack_from("<Q", body, 0)
     if hlen > len(body) - 8:
         raise BadRequest("the body is not a safetensors file (header length past the end of the body)")
+    if hlen > MAX_SAFETENSORS_HEADER:  # parsed JSON takes ~10x its size in Python objects
+        raise PayloadTooLarge(f"the safetensors header is over {MAX_SAFETENSORS_HEADER} bytes")
     try:
         header = orjson.loads(memoryview(body)[8 : 8 + hlen])
     except orjson.JSONDecodeError as exc:
@@ -233,17 +238,15 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
     for name, info in header.items():
         try:
             dtype = ST_DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            shape = check_shape(info["shape"], name)
+            begin, end = check_shape(info["data_offsets"], name)  # two integers >= 0
+        except (KeyError, TypeError, ValueError, BadRequest):  # not 'shape': "12" as [1, 2], [1.9] as [1]
             raise BadRequest(
-                f"safetensors entry {name!r} needs a known dtype ({', '.join(ST_DTYPES)}), a shape and "
-                "data_offsets [begin, end]"
+                f"safetensors entry {name!r} needs a known dtype ({', '.join(ST_DTYPES)}), a shape (a list "
+                f"of at most {MAX_DIMS} integers >= 0) and data_offsets [begin, end]"
             ) from None
-        if not 0 <= begin <= end <= len(data):
+        if not begin <= end <= len(data):
             raise BadRequest(f"safetensors entry {name!r}: data_offsets {[begin, end]} lie outside the body")
-        if len(shape) > MAX_DIMS:
-            raise BadRequest(f"{name}: at most {MAX_DIMS} dims")
         tensors[name] = aligned(tensor_from_bytes(data[begin:end], shape, dtype, name))
     return tensors, {k: v for k, v in metadata.items() if k not in SAFETENSORS_IGNORED_METADATA}
 
@@ -263,12 +266,18 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> memoryview:
         offset += n
     head = orjson.dumps(header)
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writers do
-    buf = bytearray(8 + len(head) + offset)
-    struct.pack_into("<Q", buf, 0, len(head))
-    buf[8 : 8 + len(head)] = head
+    return join_tensor_bytes(struct.pack("<Q", len(head)) + head, tensors.values())
+
+
+def join_tensor_bytes(head: bytes, tensors: Iterable[torch.Tensor]) -> memoryview:
+    """``head`` then each tensor's little-endian row-major bytes, written into a single buffer (one
+    copy of the data; a safetensors file, or an OIP response with binary outputs)."""
+    tensors = [t.detach().to("cpu").contiguous() for t in tensors]
+    buf = bytearray(len(head) + sum(t.numel() * t.element_size() for t in tensors))
+    buf[: len(head)] = head
     out = memoryview(buf)
-    pos = 8 + len(head)
-    for t in tensors.values():
+    pos = len(head)
+    for t in tensors:
         n = t.numel() * t.element_size()
         if n:
             out[pos : pos + n] = t.reshape(-1).view(torch.uint8).numpy()
@@ -299,6 +308,17 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def check_shape(shape: Any, name: str) -> list[int]:
+    """A shape given in JSON (native tensor objects, OIP inputs): at most MAX_DIMS integers >= 0."""
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise BadRequest(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative integers")
+    return shape
+
+
 def json_tensor(value: Any, name: str, default_dtype: torch.dtype) -> tuple[torch.Tensor, str]:
     """One JSON tensor (nested list, or {"shape","dtype","data"}) -> (tensor, its encoding)."""
     if isinstance(value, list):
@@ -311,13 +331,7 @@ def json_tensor(value: Any, name: str, default_dtype: torch.dtype) -> tuple[torc
     unknown = set(value) - {"shape", "dtype", "data"}
     if unknown or "shape" not in value or "data" not in value:
         raise BadRequest(f"{name}: a tensor object has exactly the keys shape, dtype (optional), data")
-    shape = value["shape"]
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
-        raise BadRequest(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative integers")
+    shape = check_shape(value["shape"], name)
     dtype_name = value.get("dtype")
     if dtype_name is not None and not isinstance(dtype_name, str):
         raise BadRequest(f"{name}: dtype must be a string such as 'float16'")
@@ -335,15 +349,31 @@ def json_tensor(value: Any, name: str, default_dtype: torch.dtype) -> tuple[torc
             raise PayloadTooLarge(f"{name}: more than {MAX_JSON_ELEMENTS} numbers in one JSON tensor")
         if len(data) != numel:
             raise BadRequest(f"{name}: {len(data)} numbers in data do not match shape {shape} ({numel})")
-        return _list_to_tensor(data, name, dtype).reshape(shape), "flat"
+        t = _list_to_tensor(data, name, dtype)
+        if t.dim() != 1:
+            raise BadRequest(f"{name}: data must be a flat list of numbers (row-major), not nested lists")
+        return t.reshape(shape), "flat"
     raise BadRequest(f"{name}: data must be a flat list of numbers or a base64 string")
 
 
 def _list_to_tensor(data: list, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Nested list -> tensor of ``dtype``. Integer tensors take integers only, within ``dtype``'s
+    range (no silent truncation of 1.5 or wrap-around of 2**40 into int32)."""
     try:
-        t = torch.tensor(data, dtype=torch.float32 if dtype.is_floating_point else torch.int64)
+        if dtype.is_floating_point:
+            return torch.tensor(data, dtype=torch.float32).to(dtype)
+        t = torch.tensor(data)  # int64 when every number is an integer
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise BadRequest(f"{name}: not a rectangular list of numbers ({exc})") from None
+    if t.numel() == 0:
+        return t.to(dtype)
+    if t.is_floating_point():  # 3.0 is fine, 1.5 is not
+        t = torch.tensor(data, dtype=torch.float64)
+        if not bool((t == t.trunc()).all()):
+            raise BadRequest(f"{name}: must hold integers, got a number with a fraction")
+    info = torch.iinfo(dtype)
+    if int(t.min()) < info.min or int(t.max()) > info.max:
+        raise BadRequest(f"{name}: numbers outside the range of {DTYPE_NAMES.get(dtype, dtype)}")
     return t.to(dtype)
 
 
@@ -409,8 +439,6 @@ def _require(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> Non
 
 
 def check_dims(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...], ndim: int, layout: str) -> None:
-    from .errors import InvalidInput
-
     for n in names:
         if tensors[n].dim() != ndim:
             dims = "[B, N, H, D]" if layout == "bnhd" else "[B, H, N, D]"
@@ -419,7 +447,9 @@ def check_dims(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...], ndim
 
 def kv_lengths_int32(t: torch.Tensor | None) -> torch.Tensor | None:
     """kv_lengths arrive int32 or int64; the request carries int32 (the kernels check the range)."""
-    if t is None or t.dtype != torch.int64 or t.numel() == 0 or int(t.abs().max()) >= 2**31:
+    if t is None or t.dtype != torch.int64 or t.numel() == 0:
+        return t
+    if int(t.min()) < -(2**31) or int(t.max()) >= 2**31:  # not t.abs(): abs(-2**63) overflows
         return t
     return t.to(torch.int32)
 

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from . import http_codec as wire
-from .codec import OIP_DTYPES, OIP_NAMES, dtype_from_name, tensor_from_bytes, tensor_to_bytes
-from .errors import BadRequest, NotFound, Unavailable
+from .codec import OIP_DTYPES, OIP_NAMES, dtype_from_name, tensor_from_bytes
+from .errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
 from .settings import Settings
 from .types import AttentionRequest, LayerRequest
 
@@ -115,8 +115,9 @@ def _model_names(engine: Any) -> list[str]:
 # ---------------------------------------------------------------- infer: decode
 
 
-def _split_body(body: bytearray, header_length: str | None) -> tuple[Any, memoryview]:
-    """(JSON document, binary tensor data) of an infer request."""
+def _split_body(body: bytearray, header_length: str | None, json_limit: int) -> tuple[Any, memoryview]:
+    """(JSON document, binary tensor data) of an infer request; 413 for a JSON part over
+    ``json_limit`` (--max-json-mb), before it is parsed."""
     view = memoryview(body)
     n = len(body)
     if header_length is not None:
@@ -128,13 +129,20 @@ def _split_body(body: bytearray, header_length: str | None) -> tuple[Any, memory
             raise BadRequest(
                 f"Inference-Header-Content-Length {header_length!r} does not fit the {len(body)}-byte body"
             )
+    if n > json_limit:
+        raise PayloadTooLarge(
+            f"the JSON part of the request is {n / 2**20:.1f} MiB, over the limit of {json_limit / 2**20:g} MiB "
+            "(--max-json-mb); send large tensors as binary tensor data"
+        )
     doc = wire.parse_json(view[:n])
     if not isinstance(doc, dict):
         raise BadRequest('the inference request must be a JSON object with "inputs"')
     return doc, view[n:]
 
 
-def _decode_inputs(doc: dict, binary: memoryview) -> dict[str, torch.Tensor]:
+def _decode_inputs(doc: dict, binary: memoryview, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The "inputs" of an infer request; a name not in ``names``, or given twice, is a 400 (as
+    Triton refuses an unexpected input: only unknown *parameters* are ignored)."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list):
         raise BadRequest('the inference request needs "inputs": a list of tensors')
@@ -143,13 +151,11 @@ def _decode_inputs(doc: dict, binary: memoryview) -> dict[str, torch.Tensor]:
     for item in inputs:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise BadRequest('each input needs a "name", a "shape" and a "datatype"')
-        name, shape = item["name"], item.get("shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > wire.MAX_DIMS
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
-            raise BadRequest(f"input {name!r}: shape must be a list of non-negative integers")
+        name = item["name"]
+        if name not in names or name in tensors:
+            what = "given twice" if name in tensors else f"unknown; the inputs are {', '.join(names)}"
+            raise BadRequest(f"input {name!r}: {what}")
+        shape = wire.check_shape(item.get("shape"), f"input {name!r}")
         datatype = item.get("datatype")
         if not isinstance(datatype, str):
             raise BadRequest(f"input {name!r}: datatype must be one of {', '.join(OIP_DTYPES)}")
@@ -221,7 +227,7 @@ def _params(doc: dict, names: tuple[str, ...]) -> dict[str, Any]:
 def decode_attention(
     model_doc: dict, binary: memoryview, *, request_id: str, deadline: float, arrived: float
 ) -> tuple[AttentionRequest, dict[str, bool]]:
-    tensors = _decode_inputs(model_doc, binary)
+    tensors = _decode_inputs(model_doc, binary, wire.ATTENTION_TENSORS)
     missing = [n for n in ("q", "k", "v") if n not in tensors]
     if missing:
         raise BadRequest(f"missing input{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
@@ -245,7 +251,7 @@ def decode_attention(
 def decode_layer(
     model: str, doc: dict, binary: memoryview, *, request_id: str, deadline: float, arrived: float
 ) -> tuple[LayerRequest, dict[str, bool]]:
-    tensors = _decode_inputs(doc, binary)
+    tensors = _decode_inputs(doc, binary, wire.LAYER_TENSORS)
     if "x" not in tensors:
         raise BadRequest("missing input x")
     params = _params(doc, ("causal",))
@@ -268,16 +274,15 @@ def decode_layer(
 
 def encode_response(
     model: str, doc: dict, outputs: Mapping[str, torch.Tensor], wanted: dict[str, bool]
-) -> tuple[bytes, dict[str, str]]:
+) -> tuple[bytes | memoryview, dict[str, str]]:
     """(body, headers): JSON, followed by the binary outputs when any is asked for as binary."""
     entries, blobs = [], []
     for name, binary in wanted.items():
         t = outputs[name].detach().to("cpu").contiguous()
         entry: dict[str, Any] = {"name": name, "datatype": OIP_NAMES[t.dtype], "shape": list(t.shape)}
         if binary:
-            raw = tensor_to_bytes(t)
-            entry["parameters"] = {"binary_data_size": len(raw)}
-            blobs.append(raw)
+            entry["parameters"] = {"binary_data_size": t.numel() * t.element_size()}
+            blobs.append(t)
         else:  # JSON numbers (BF16 too); -inf/nan become null
             entry["data"] = (t.float() if t.dtype.is_floating_point else t).reshape(-1).numpy()
         entries.append(entry)
@@ -287,7 +292,7 @@ def encode_response(
     head = orjson.dumps(resp, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return head, {"content-type": "application/json"}
-    return b"".join([head, *blobs]), {
+    return wire.join_tensor_bytes(head, blobs), {  # the tensors' bytes are copied once, here
         "content-type": "application/octet-stream",
         "Inference-Header-Content-Length": str(len(head)),
     }
@@ -351,8 +356,11 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
             raise wire.UnsupportedMediaType("compressed requests are not supported; send them uncompressed")
         body = await wire.read_body(request, limit)
         big = len(body) > wire.OFFLOAD_BYTES
-        doc, binary = await wire.offload(big, _split_body, body, request.headers.get(HEADER_LENGTH))
-        rid = str(doc["id"]) if isinstance(doc.get("id"), str) and doc["id"] else request.state.request_id
+        doc, binary = await wire.offload(
+            big, _split_body, body, request.headers.get(HEADER_LENGTH), settings.max_json_bytes
+        )
+        oip_id = doc.get("id")  # cut to 128 characters, as X-Request-Id is (it reaches logs and messages)
+        rid = oip_id[:128] if isinstance(oip_id, str) and oip_id else request.state.request_id
         if model == ATTENTION:
             req, wanted = await wire.offload(
                 big, lambda: decode_attention(doc, binary, request_id=rid, deadline=deadline, arrived=arrived)

@@ -9,7 +9,8 @@ biases and GQA head counts, and rotary position embedding (RoPE) on q and k for 
 No residual, no norm. Only the asked layer's tensors are read (``safetensors.safe_open``,
 memory-mapped); pickle checkpoints (``.bin``/``.pt``) are refused.
 
-Families and the tensor names they read (a ``bert.``/``model.``/``<model_type>.`` prefix is optional):
+Families and the tensor names they read (a ``bert.``/``roberta.``/``model.``/``<model_type>.`` prefix
+is optional):
     bert   encoder.layer.{i}.attention.self.{query,key,value}.{weight,bias}
            encoder.layer.{i}.attention.output.dense.{weight,bias}
     llama  layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias where present, as in Qwen2)
@@ -31,6 +32,7 @@ from safetensors import safe_open
 
 import kernels
 
+from .codec import FLOAT_DTYPES
 from .errors import InvalidInput, from_kernel_error
 
 log = logging.getLogger("attnserve.layers")
@@ -44,7 +46,6 @@ FAMILY_OF = {
 ARCH_PREFIX = {"XLMRoberta": "xlm-roberta", "Roberta": "roberta", "Camembert": "camembert",
                "Electra": "electra", "Bert": "bert", "Llama": "llama", "Mistral": "mistral",
                "Mixtral": "mixtral", "Qwen2": "qwen2"}
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ROPE_TYPES = ("default", "linear", "llama3")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # goes into URLs (/layers/{name}) and OIP model names
@@ -132,7 +133,8 @@ class DeviceLayer:
         Raises ``errors.InvalidInput`` for inputs that do not fit the layer.
         """
         h, hkv, d = self.info.num_heads, self.info.num_kv_heads, self.info.head_dim
-        x = self._check_x(x)
+        check_call(self.info, self.sliding_window, x, positions, kv_lengths)
+        x = x.to(device=self.device, dtype=self.info.dtype)
         b, n, _ = x.shape
         positions = self._check_positions(positions, b, n)
         kv_lengths = self._check_kv_lengths(kv_lengths, b)
@@ -153,43 +155,50 @@ class DeviceLayer:
 
     __call__ = forward
 
-    def _invalid(self, message: str) -> InvalidInput:
-        return InvalidInput(f"layer {self.info.name!r}: {message}")
-
-    def _check_x(self, x: Any) -> torch.Tensor:
-        hidden = self.info.hidden_size
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden:
-            got = _shape(x)
-            raise self._invalid(f"x must have shape [B, N, {hidden}] (hidden size {hidden}), got {got}")
-        if x.shape[0] < 1 or x.shape[1] < 1:
-            raise self._invalid(f"x needs B >= 1 and N >= 1, got {list(x.shape)}")
-        if not x.is_floating_point():
-            raise self._invalid(f"x must be a float tensor, got {x.dtype}")
-        window = self.sliding_window
-        if window is not None and x.shape[1] > window:
-            raise self._invalid(
-                f"the checkpoint uses sliding-window attention over {window} tokens, which is not "
-                f"implemented; sequences of up to {window} tokens are exact, got N={x.shape[1]}"
-            )
-        return x.to(device=self.device, dtype=self.info.dtype)
-
     def _check_positions(self, positions: Any, b: int, n: int) -> torch.Tensor | None:
         if positions is None:
             return None if self._rope is None else torch.arange(n, device=self.device).expand(b, n)
-        if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, n):
-            raise self._invalid(f"positions must have shape [B, N] = [{b}, {n}], got {_shape(positions)}")
-        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-            raise self._invalid(f"positions must be integers (int64), got {positions.dtype}")
         return positions.to(device=self.device, dtype=torch.int64)
 
     def _check_kv_lengths(self, kv_lengths: Any, b: int) -> torch.Tensor | None:
-        if kv_lengths is None:
-            return None
+        return None if kv_lengths is None else kv_lengths.to(self.device)
+
+
+def check_call(info: LayerInfo, sliding_window: int | None, x: Any, positions: Any = None,
+               kv_lengths: Any = None) -> None:
+    """Raise ``errors.InvalidInput`` unless x (B, N, hidden) float, positions integer (B, N) and
+    kv_lengths integer (B,) fit the layer. Cheap and host-side: the engine calls it before queueing
+    a request, and ``DeviceLayer.forward`` before computing (kv_lengths' range only for host tensors:
+    reading it on a GPU would synchronise the device)."""
+
+    def invalid(message: str) -> InvalidInput:
+        return InvalidInput(f"layer {info.name!r}: {message}")
+
+    hidden = info.hidden_size
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden:
+        raise invalid(f"x must have shape [B, N, {hidden}] (hidden size {hidden}), got {_shape(x)}")
+    b, n = x.shape[0], x.shape[1]
+    if b < 1 or n < 1:
+        raise invalid(f"x needs B >= 1 and N >= 1, got {list(x.shape)}")
+    if not x.is_floating_point():
+        raise invalid(f"x must be a float tensor, got {x.dtype}")
+    if sliding_window is not None and n > sliding_window:
+        raise invalid(
+            f"the checkpoint uses sliding-window attention over {sliding_window} tokens, which is not "
+            f"implemented; sequences of up to {sliding_window} tokens are exact, got N={n}"
+        )
+    if positions is not None:
+        if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, n):
+            raise invalid(f"positions must have shape [B, N] = [{b}, {n}], got {_shape(positions)}")
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise invalid(f"positions must be integers (int64), got {positions.dtype}")
+    if kv_lengths is not None:
         if not isinstance(kv_lengths, torch.Tensor) or tuple(kv_lengths.shape) != (b,):
-            raise self._invalid(f"kv_lengths must have shape [B] = [{b}], got {_shape(kv_lengths)}")
+            raise invalid(f"kv_lengths must have shape [B] = [{b}], got {_shape(kv_lengths)}")
         if kv_lengths.dtype not in (torch.int32, torch.int64):
-            raise self._invalid(f"kv_lengths must be int32 or int64, got {kv_lengths.dtype}")
-        return kv_lengths.to(self.device)
+            raise invalid(f"kv_lengths must be int32 or int64, got {kv_lengths.dtype}")
+        if kv_lengths.device.type == "cpu" and (int(kv_lengths.min()) < 0 or int(kv_lengths.max()) > n):
+            raise invalid(f"kv_lengths must lie in [0, {n}] (N)")
 
 
 def _shape(t: Any) -> Any:
@@ -206,6 +215,10 @@ class Layer:
         self.sliding_window = sliding_window  # Mistral-style window: longer sequences are refused
         self._w = weights
         self._rope = rope
+
+    def check_call(self, x: Any, positions: Any = None, kv_lengths: Any = None) -> None:
+        """Validate a call's inputs on the host (``check_call``), before it is queued."""
+        check_call(self.info, self.sliding_window, x, positions, kv_lengths)
 
     def to(self, device: torch.device | str) -> DeviceLayer:
         device = torch.device(device)
@@ -242,9 +255,9 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     """A --layer-dtype value -> torch dtype; None or "" -> None (the checkpoint's)."""
     if not name:
         return None
-    if name not in DTYPES:
-        raise LayerConfigError(f"layer dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in FLOAT_DTYPES:
+        raise LayerConfigError(f"layer dtype {name!r} is not supported; choose one of {', '.join(FLOAT_DTYPES)}")
+    return FLOAT_DTYPES[name]
 
 
 def load_layers(settings) -> dict[str, Layer]:
@@ -361,7 +374,9 @@ def _load_bert(name, config, model_type, index, store, where):
         )
     hidden, heads, _, head_dim = _heads(config, where, llama=False)
     stem = f"encoder.layer.{index}.attention."
-    prefix = store.prefix(stem + "self.query.weight", ("", "bert.", f"{model_type}.", "model."))
+    # a checkpoint with a head keeps the base model under its base_model_prefix: "bert.", "roberta."
+    # (RoBERTa, XLM-RoBERTa and CamemBERT alike), "electra."
+    prefix = store.prefix(stem + "self.query.weight", ("", "bert.", "roberta.", f"{model_type}.", "model."))
     stem = prefix + stem
     inner = heads * head_dim
     names = {  # Weights field -> (tensor name, shape that config.json implies)

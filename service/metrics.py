@@ -41,14 +41,14 @@ class Metrics:
         )
         self.queue_duration = Histogram(
             "attnserve_inference_queue_duration_seconds",
-            "Time from arrival to launch",
+            "Time from entering the batcher's queue to launch",
             ["kind"],
             buckets=_TIME_BUCKETS,
             registry=r,
         )
         self.request_duration = Histogram(
             "attnserve_inference_request_duration_seconds",
-            "Time from arrival to answer, in the engine",
+            "Time from entering the batcher's queue to the answer",
             ["kind"],
             buckets=_TIME_BUCKETS,
             registry=r,

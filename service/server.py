@@ -9,6 +9,7 @@ On SIGTERM/SIGINT: stop taking new work, report not-ready, finish what is held, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -46,7 +47,10 @@ async def serve(settings: Settings) -> int:
         lifespan="on", timeout_graceful_shutdown=30,
     )
     http = uvicorn.Server(config)
-    http.install_signal_handlers = lambda: None  # signals are handled below, for both servers
+    # Signals are handled below, for both servers: left to uvicorn (>= 0.29 captures SIGTERM/SIGINT in
+    # serve()), it would close its listener at once — no 503 from /readyz while draining — and cut
+    # requests still running after timeout_graceful_shutdown.
+    http.capture_signals = contextlib.nullcontext
     grpc_server = None
     if settings.grpc_port:
         from .grpc_server import create_server
@@ -70,15 +74,13 @@ async def serve(settings: Settings) -> int:
     while not stop.is_set():
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if start_task in done and start_task.exception() is not None:
-            log.error("start-up failed: %s", start_task.exception())
+            log.error("start-up failed: %s", start_task.exception(), exc_info=start_task.exception())
             exit_code = 1
             break
         if http_task in done:  # uvicorn stopped on its own: could not bind, or failed
             log.error("the HTTP server stopped; shutting down")
             exit_code = 1
             break
-        if not pending - {stop_task}:
-            pending = {stop_task}
 
     log.info("shutting down: draining held requests")
     stop_task.cancel()

@@ -18,10 +18,10 @@ class Settings(BaseSettings):
 
     host: str = Field("0.0.0.0", description="address to bind HTTP and gRPC to")
     http_port: int = Field(
-        8000, description="HTTP port (FastAPI: native API, Open Inference Protocol, health, metrics)"
+        8000, ge=1, le=65535, description="HTTP port (FastAPI: native API, Open Inference Protocol, health, metrics)"
     )
     grpc_port: int = Field(
-        8001, description="gRPC port (attention.v1 and inference.GRPCInferenceService); 0 disables"
+        8001, ge=0, le=65535, description="gRPC port (attention.v1 and inference.GRPCInferenceService); 0 disables"
     )
     device: str = Field(
         "auto",
@@ -40,17 +40,24 @@ class Settings(BaseSettings):
         True, description="group compatible requests into one launch (off: one launch per request)"
     )
     max_batch_tokens: int = Field(
-        65536, description="a batch launches once its requests hold this many query tokens (B·Nq summed)"
+        65536, gt=0, description="a batch launches once its requests hold this many query tokens (B·Nq summed)"
     )
     max_queue_delay_ms: float = Field(
-        2.0,
+        2.0, ge=0,
         description="while every worker is busy, the longest the oldest queued request waits "
         "to gather a batch",
     )
-    max_queue_size: int = Field(1024, description="requests held (queued or running) before new ones get 429")
-    max_body_mb: float = Field(1024.0, description="largest request body (HTTP) or message (gRPC), in MiB")
+    max_queue_size: int = Field(1024, gt=0, description="requests held (queued or running) before new ones get 429")
+    max_body_mb: float = Field(1024.0, gt=0, description="largest request body (HTTP) or message (gRPC), in MiB")
+    max_json_mb: float = Field(
+        64.0,
+        gt=0,
+        description="largest JSON document (native JSON bodies, the JSON part of Open Inference Protocol "
+        "requests), in MiB: parsing JSON numbers takes 15-30x their text in memory; large tensors go "
+        "over safetensors or binary tensor data",
+    )
     request_timeout_ms: float = Field(
-        60000.0,
+        60000.0, gt=0,
         description="default deadline of a request; X-Request-Timeout-Ms or a gRPC deadline overrides it",
     )
     api_key: str | None = Field(
@@ -64,7 +71,10 @@ class Settings(BaseSettings):
     )
     warmup_dtypes: str = Field("float16,bfloat16", description="dtypes warmed at start-up on GPUs")
     memory_fraction: float = Field(
-        0.9, description="share of a GPU's memory a worker may plan to use; bigger requests are refused (413)"
+        0.9,
+        gt=0,
+        le=1,
+        description="share of a GPU's memory a worker may plan to use; bigger requests are refused (413)",
     )
     autotune_new_shapes: bool = Field(
         False,
@@ -72,7 +82,7 @@ class Settings(BaseSettings):
         "blocks its worker for seconds); off: shapes outside --warmup-shapes run a default config",
     )
     gil_switch_interval_ms: float = Field(
-        0.5,
+        0.5, gt=0,
         description="Python's thread switch interval: the event loop and the worker threads hand the GIL "
         "to each other per batch, and the interpreter's 5 ms default adds up to that much per hand-off",
     )
@@ -81,6 +91,10 @@ class Settings(BaseSettings):
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
+
+    @property
+    def max_json_bytes(self) -> int:
+        return min(self.max_body_bytes, int(self.max_json_mb * 1024 * 1024))
 
 
 def _flag(name: str) -> str:

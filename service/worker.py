@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -31,6 +30,7 @@ import torch
 
 import kernels
 
+from .codec import FLOAT_DTYPES
 from .errors import DeadlineExceeded, InvalidInput, ServiceError, Unavailable, from_kernel_error
 from .metrics import Metrics
 from .settings import Settings
@@ -47,7 +47,6 @@ _LAUNCH_LOCK = threading.Lock()
 Outcome = AttentionResult | LayerResult | ServiceError
 Request = AttentionRequest | LayerRequest
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def resolve_devices(spec: str) -> list[torch.device]:
@@ -81,11 +80,23 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     shapes = []
     for part in text.split(","):
         if part.strip():
-            dims = tuple(int(x) for x in part.strip().lower().split("x"))
-            if len(dims) != 4:
-                raise ValueError(f"warm-up shape {part!r} must be BxHxNxD")
+            try:
+                dims = tuple(int(x) for x in part.strip().lower().split("x"))
+            except ValueError:
+                dims = ()
+            if len(dims) != 4 or min(dims) < 1:
+                raise ValueError(f"warm-up shape {part.strip()!r} must be BxHxNxD, four positive integers")
             shapes.append(dims)
     return shapes
+
+
+def parse_dtypes(text: str) -> list[torch.dtype]:
+    """'float16,bfloat16' -> [torch.float16, torch.bfloat16]."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for name in names:
+        if name not in FLOAT_DTYPES:
+            raise ValueError(f"warm-up dtype {name!r} is not supported; choose from {', '.join(FLOAT_DTYPES)}")
+    return [FLOAT_DTYPES[name] for name in names]
 
 
 def attention_memory(req: AttentionRequest, device_type: str) -> int:
@@ -179,19 +190,9 @@ class Worker:
                 for causal in (False, True):
                     layer.forward(x, causal=causal)
             shapes = parse_shapes(self.settings.warmup_shapes)
-            dtype_names = [s.strip() for s in self.settings.warmup_dtypes.split(",") if s.strip()]
-            dtypes = [DTYPES[n] for n in dtype_names] if self._cuda else [torch.float32]
-            if not shapes:
-                return
-            warmup = getattr(kernels, "warmup", None)
-            if warmup is not None:
-                warmup(shapes=shapes, dtypes=dtypes, device=self.device)
-                return
-            for b, h, n, d in shapes:
-                for dtype in dtypes:
-                    q = torch.randn(b, h, n, d, dtype=dtype, device=self.device)
-                    for causal in (False, True):
-                        kernels.attention(q, q, q, causal=causal, return_lse=True)
+            dtypes = parse_dtypes(self.settings.warmup_dtypes) if self._cuda else [torch.float32]
+            if shapes:
+                kernels.warmup(shapes=shapes, dtypes=dtypes, device=self.device)
 
     # ---- running a batch ----------------------------------------------------------------------
 
@@ -342,7 +343,6 @@ class Worker:
         kv_lengths = None
         if first.kv_lengths is not None:  # kv_lengths presence is part of the batch key
             kv_lengths = self._stage([r.kv_lengths for r in reqs], torch.int32)  # (ΣB,)
-        scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.q.shape[-1])
         self._inputs_ready()
         with self._launch_lock():
             o, lse = kernels.attention(
@@ -350,7 +350,7 @@ class Worker:
                 k,
                 v,
                 causal=first.causal,
-                scale=scale,
+                scale=first.scale,  # equal across the batch (part of its key); None: 1/sqrt(D)
                 kv_lengths=kv_lengths,
                 return_lse=True,
                 kernel=first.kernel,
@@ -379,8 +379,7 @@ class Worker:
         layer = self.layers.get(first.layer)
         if layer is None:
             raise InvalidInput(f"layer {first.layer!r} is not loaded on {self.name}")
-        dtype = _torch_dtype(self._host_layers[first.layer].info.dtype)
-        x = self._stage([r.x for r in reqs], dtype)  # (ΣB, N, hidden)
+        x = self._stage([r.x for r in reqs], layer.info.dtype)  # (ΣB, N, hidden)
         positions = kv_lengths = None
         if first.positions is not None:
             positions = self._stage([r.positions for r in reqs], torch.int64)  # (ΣB, N)
@@ -406,12 +405,6 @@ class Worker:
     def close(self) -> None:
         self._launcher.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
-
-
-def _torch_dtype(d: Any) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    return DTYPES[str(d).removeprefix("torch.")]
 
 
 def _describe(r: Request) -> str:

@@ -501,6 +501,11 @@ class FakeLayer:
     def to(self, device):
         return self
 
+    def check_call(self, x, positions=None, kv_lengths=None):
+        from service.layers import check_call
+
+        check_call(self.info, None, x, positions, kv_lengths)
+
     def forward(self, x, *, causal=False, positions=None, kv_lengths=None):
         b, n, hidden = x.shape
         h = self.info.num_heads

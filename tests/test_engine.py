@@ -87,7 +87,7 @@ def test_attend_layout_lse_and_request_id():
     [
         (lambda: AttentionRequest(*qkv(d=300)), 422),  # head dim > 256
         (lambda: AttentionRequest(*qkv(hq=3, hkv=2)), 422),  # Hq not a multiple of Hkv
-        (lambda: AttentionRequest(*qkv(), kernel="fastest"), 422),
+        (lambda: AttentionRequest(*qkv(), kernel="fastest"), 400),  # a bad option value
         (lambda: AttentionRequest(*qkv(), kv_lengths=torch.tensor([99], dtype=torch.int32)), 422),
         (lambda: AttentionRequest(*qkv(dtype=torch.float64)), 422),
     ],
@@ -106,7 +106,8 @@ def test_bad_requests_are_refused_before_queueing(make, status):
 
     exc, held, ok, text = asyncio.run(main())
     assert exc.http_status == status and held == 0 and ok.o is not None
-    assert 'attnserve_inference_request_failure_total{kind="attention",reason="invalid_input"} 1.0' in text
+    reason = {400: "bad_request", 422: "invalid_input"}[status]
+    assert f'attnserve_inference_request_failure_total{{kind="attention",reason="{reason}"}} 1.0' in text
 
 
 def test_metrics_registry_has_the_engine_series():
@@ -205,8 +206,15 @@ def test_sigterm_drains_requests_in_flight(tmp_path):
     assert held >= 3, "the requests were not in flight when SIGTERM came"
     if late is not None:
         assert late.status_code == 503
+    answered = 0
     for i, (q, k, v) in enumerate(cases):
         res = results[i]
-        assert isinstance(res, httpx.Response) and res.status_code == 200, (res, server.log())
+        assert isinstance(res, httpx.Response), (res, server.log())
+        if res.status_code == 503:  # reached the server after SIGTERM: refused, never half-served
+            assert "draining" in res.json()["error"]["message"]
+            continue
+        assert res.status_code == 200, (res, server.log())
         o = st_load(res.content)["o"]
         assert torch.equal(o, kernels.attention(q, k, v, kernel="reference"))
+        answered += 1
+    assert answered >= held, "a request the server held when SIGTERM came was not answered"

@@ -90,3 +90,19 @@ def test_key_matches_triton_and_frozen_keys_are_not_tuned(fake_tuning):
     o, _ = flash.flash_forward(q16, k16, v16, causal=True, scale=0.2)  # an unseen key (dtype, causal)
     assert len(tuned.cache) == 1, "a frozen autotuner must not tune a new key"
     assert calls[-1][3] is False and torch.isfinite(o).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("forward", ["flash", "flash_v1"])
+def test_out_of_range_lengths_are_clamped_by_the_launchers(forward):
+    """check_inputs reads kv_lengths only on the host; on a device the launchers clamp to [0, Nk],
+    so a length past Nk never lets the unmasked loop read past the keys."""
+    from kernels import flash_v1
+    from kernels.reference import reference_attention
+
+    fn = flash.flash_forward if forward == "flash" else flash_v1.flash_v1_forward
+    q, k, v = _qkv(torch.float32, n=17)
+    q, k, v = (t.expand(3, -1, -1, -1).contiguous() for t in (q, k, v))
+    o, lse = fn(q, k, v, causal=False, scale=0.3, kv_lengths=torch.tensor([40, -2, 9], dtype=torch.int32))
+    o_ref, lse_ref = reference_attention(q, k, v, causal=False, scale=0.3, kv_lengths=torch.tensor([17, 0, 9]))
+    assert torch.allclose(o, o_ref, atol=1e-5) and torch.equal(torch.isinf(lse), torch.isinf(lse_ref))

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 import torch
 from conftest import ROOT, free_port, run_server
@@ -215,7 +216,7 @@ def _bad_stream_calls():
     return [
         (attend_msg(q, k[:, :, :, :8], v), "INVALID_ARGUMENT", "invalid_input", ""),  # wrong shape
         (attend_msg(*big_d), "INVALID_ARGUMENT", "invalid_input", "256"),
-        (attend_msg(q, k, v, kernel="fastest"), "INVALID_ARGUMENT", "invalid_input", "fastest"),
+        (attend_msg(q, k, v, kernel="fastest"), "INVALID_ARGUMENT", "bad_request", "fastest"),
         (pb.AttendRequest(q=tensor_to_pb(q), v=tensor_to_pb(v)), "INVALID_ARGUMENT", "bad_request", "'k'"),
     ]
 
@@ -274,7 +275,7 @@ def test_stream_helper_yields_errors_in_place(client):
             assert outcome.status == grpc.StatusCode.INVALID_ARGUMENT and outcome.message
         else:
             assert_close_to_reference(outcome, q, k, v, causal=True)
-    assert got["2"].code == "invalid_input" and "fastest" in got["2"].message
+    assert got["2"].code == "bad_request" and "fastest" in got["2"].message
     assert got["mine"].code == "invalid_input"
 
 
@@ -495,12 +496,24 @@ def test_health_follows_warmup_and_drain(tmp_path):
             assert first == SERVING
         big = make_qkv((1, 16, 16, 1024, 1024, 64), torch.float32, seed=0)
         held = stub.Attend.future(attend_msg(*big, kernel="reference"), timeout=60)
-        time.sleep(0.2)  # let the call reach the engine
+        wait_until_held(srv)  # the call has reached the engine
         srv.proc.terminate()
         assert next(watch).status == NOT_SERVING
         assert list(watch) == []  # the watch ends, so it does not hold the shutdown
         assert_close_to_reference(tensor_from_pb(held.result(), "o"), *big)  # drained, not dropped
         assert srv.proc.wait(timeout=20) == 0
+
+
+def wait_until_held(srv, timeout: float = 30.0) -> None:
+    """Until the server's engine holds a request (its pending-requests gauge, read from /metrics)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(srv.url + "/metrics", timeout=5).text
+        held = [line for line in text.splitlines() if line.startswith("attnserve_inference_pending_requests ")]
+        if held and float(held[0].split()[1]) >= 1:
+            return
+        time.sleep(0.02)
+    raise TimeoutError("the request never reached the engine")
 
 
 def list_services(ch) -> list[str]:

@@ -59,6 +59,8 @@ def guarded(tmp_path_factory):
         API_KEY,
         "--max-body-mb",
         "4",
+        "--max-json-mb",
+        "1",
         "--max-queue-size",
         "1",
     ) as s:
@@ -275,6 +277,8 @@ def test_client(server, layer_dir):
         kernel="auto",
     )
     assert_matches(o.transpose(1, 2), q, k, v, lse, scale=0.3)
+    # self-attention: q, k, v are one tensor (safetensors refuses shared memory; the client copies)
+    assert_matches(c.attention(q, q, q), q, q, q)
     [info] = c.layers()
     assert info == {
         "name": "tiny",
@@ -330,6 +334,12 @@ def _st(**tensors):
     return st.save({k: t.contiguous() for k, t in tensors.items()})
 
 
+def _st_raw(header: dict, data: bytes) -> bytes:
+    """A safetensors file from a hand-written header (which a safetensors writer would refuse)."""
+    head = orjson.dumps(header)
+    return len(head).to_bytes(8, "little") + head + data
+
+
 Q, K, V = make(SHAPES[0])
 ERRORS = [
     # (why, content-type, body, params, status, code)
@@ -356,6 +366,22 @@ ERRORS = [
         {},
         400,
         "bad_request",
+    ),
+    (  # the string shape "1112" was once read as [1, 1, 1, 2] and answered 200
+        "safetensors shape not a list of integers",
+        "application/x-safetensors",
+        _st_raw({n: {"dtype": "F32", "shape": "1112", "data_offsets": [0, 8]} for n in "qkv"}, bytes(8)),
+        {},
+        400,
+        "bad_request",
+    ),
+    (  # parsing a huge header takes ~10x its size in memory
+        "safetensors header over 1 MiB",
+        "application/x-safetensors",
+        st.save({"q": Q, "k": K, "v": V}, metadata={"causal": "true" + " " * (1 << 20)}),
+        {},
+        413,
+        "payload_too_large",
     ),
     ("JSON garbage", "application/json", b'{"q": [1, 2', {}, 400, "bad_request"),
     ("JSON not an object", "application/json", b"[1, 2, 3]", {}, 400, "bad_request"),
@@ -487,6 +513,41 @@ ERRORS = [
         422,
         "invalid_input",
     ),
+    (  # abs(-2**63) overflows: this once became int32 0 and answered 200
+        "kv_lengths -2**63",
+        "application/x-safetensors",
+        _st(q=Q, k=K, v=V, kv_lengths=torch.tensor([-(2**63)], dtype=torch.int64)),
+        {},
+        422,
+        "invalid_input",
+    ),
+    (  # nested lists under "data" once reached reshape() and answered 500
+        "flat data holding nested lists",
+        "application/json",
+        orjson.dumps({"q": {"shape": [2], "data": [[1.0, 0.0], [0.0, 1.0]]}, "k": [1.0], "v": [1.0]}),
+        {},
+        400,
+        "bad_request",
+    ),
+    (  # once wrapped around to kv_lengths 0 and answered 200 with zeros
+        "int32 data out of range",
+        "application/json",
+        orjson.dumps(
+            {"q": Q.tolist(), "k": K.tolist(), "v": V.tolist(),
+             "kv_lengths": {"shape": [1], "dtype": "int32", "data": [2**32 + 7]}}
+        ),
+        {},
+        400,
+        "bad_request",
+    ),
+    (  # once truncated to 7
+        "kv_lengths with a fraction",
+        "application/json",
+        orjson.dumps({"q": Q.tolist(), "k": K.tolist(), "v": V.tolist(), "kv_lengths": [7.5]}),
+        {},
+        400,
+        "bad_request",
+    ),
 ]
 
 
@@ -499,6 +560,9 @@ def test_error_rows(http, server, why, ctype, body, params, status, code):
 def test_unknown_layer_404(http):
     assert_error(post_st(http, {"x": torch.randn(1, 2, 40)}, path="/layers/nope"), 404, "not_found")
     assert_error(http.get("/no/such/route"), 404)
+    r = http.get("/attention")
+    assert_error(r, 405, "method_not_allowed")
+    assert r.headers["allow"] == "POST"  # a 405 names the allowed methods (RFC 9110)
 
 
 def test_deadline_504_and_request_id(server, http):
@@ -566,7 +630,7 @@ def test_body_limit_413(guarded):
 
     def chunks():  # no Content-Length: the limit holds while reading
         for i in range(0, len(body), 1 << 16):
-            yield body[i : i + 1 << 16]
+            yield body[i : i + (1 << 16)]
 
     assert_error(httpx.post(guarded.url + "/attention", content=chunks(), headers=headers), 413)
     big_json = b'{"q": [' + b"0.5," * (1 << 21) + b"0.5]}"
@@ -578,6 +642,19 @@ def test_body_limit_413(guarded):
         ),
         413,
     )
+    still_serving(guarded.url)
+
+
+def test_json_limit_413_before_parsing(guarded):
+    """A JSON document over --max-json-mb (1 MiB here) is refused although under --max-body-mb (4 MiB):
+    parsed JSON numbers take 15-30x their text in memory."""
+    json_2mib = b'{"q": [' + b"0.5," * (1 << 19) + b"0.5]}"
+    headers = {"Content-Type": "application/json", "X-API-Key": API_KEY}
+    r = httpx.post(guarded.url + "/attention", content=json_2mib, headers=headers)
+    assert_error(r, 413, "payload_too_large")
+    assert "--max-json-mb" in r.json()["error"]["message"] and "safetensors" in r.json()["error"]["message"]
+    r = httpx.post(guarded.url + "/v2/models/attention/infer", content=json_2mib, headers=headers)
+    assert r.status_code == 413 and "--max-json-mb" in r.json()["error"]
     still_serving(guarded.url)
 
 

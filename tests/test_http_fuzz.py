@@ -7,16 +7,21 @@ real server)."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
+import tracemalloc
 
 import orjson
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from starlette.requests import ClientDisconnect, Request
 
 import kernels
-from service.errors import NotFound, from_kernel_error
+from service.errors import BadRequest, NotFound, from_kernel_error
 from service.http_app import create_app
+from service.http_codec import read_body
 from service.settings import Settings
 from service.types import AttentionResult
 
@@ -153,3 +158,26 @@ def test_not_ready_and_internal_errors():
         )
         assert r.status_code == 500 and r.json() == {"error": "internal server error"}
         assert 'status="500"' in client.get("/metrics").text
+
+
+def test_body_memory_follows_the_bytes_sent():
+    """A body that claims a large Content-Length and sends 10 bytes holds about 10 bytes, not the
+    claimed size (it once preallocated the claim: idle connections could pin GiBs)."""
+    claimed = 256 << 20
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": b"0123456789", "more_body": True}
+        raise ClientDisconnect()
+
+    sent: list = []
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", str(claimed).encode())]}
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadRequest, match="disconnected"):
+            asyncio.run(read_body(Request(scope, receive), limit=claimed))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes held for a 10-byte body"

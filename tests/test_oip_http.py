@@ -224,6 +224,30 @@ ERRORS = [
         422,
     ),
     ("unknown model", "nope", {"inputs": []}, None, 404),
+    (  # once silently ignored (Triton refuses an unexpected input)
+        "unknown input",
+        "attention",
+        {"inputs": [{"name": n, "shape": [1, 1, 1, 1], "datatype": "FP32", "data": [1.0]} for n in "qkvx"]},
+        None,
+        400,
+    ),
+    (
+        "input given twice",
+        "attention",
+        {"inputs": [{"name": n, "shape": [1, 1, 1, 1], "datatype": "FP32", "data": [1.0]} for n in "qkvq"]},
+        None,
+        400,
+    ),
+    (  # 2**40 once wrapped around to INT32 0 and answered 200 with zeros
+        "INT32 data out of range",
+        "attention",
+        {
+            "inputs": [{"name": n, "shape": [1, 1, 1, 1], "datatype": "FP32", "data": [1.0]} for n in "qkv"]
+            + [{"name": "kv_lengths", "shape": [1], "datatype": "INT32", "data": [2**40]}]
+        },
+        None,
+        400,
+    ),
     (
         "layer input of the wrong width",
         "tiny",

@@ -39,3 +39,11 @@ def test_server_serves_then_stops_cleanly_on_sigterm(tmp_path):
         server.proc.terminate()
         assert server.proc.wait(timeout=60) == 0
         assert "stopped" in server.log()
+
+
+def test_bad_option_values_are_a_usage_error(tmp_path):
+    with run_server(tmp_path, "--max-queue-size", "0", "--memory-fraction", "1.5", wait_ready=False) as server:
+        assert server.proc.wait(timeout=60) == 2
+        log = server.log()
+        assert "--max-queue-size: Input should be greater than 0" in log
+        assert "--memory-fraction" in log and "Traceback" not in log
