@@ -67,6 +67,7 @@ class Batcher:
         self.metrics = metrics
         metrics.track_queue(lambda: self._queued, lambda: self._held)
         self._queues: dict[Hashable, deque[Pending]] = {}  # key -> FIFO of its pending requests
+        self._tokens: dict[Hashable, int] = {}  # key -> query tokens queued (kept, not re-summed per pass)
         self._queued = 0
         self._held = 0  # queued + running
         self._wake = asyncio.Event()
@@ -95,6 +96,7 @@ class Batcher:
                 retry_after_s=retry,
             )
         self._queues.setdefault(pending.key, deque()).append(pending)
+        self._tokens[pending.key] = self._tokens.get(pending.key, 0) + pending.tokens
         self._queued += 1
         self._held += 1
         self._idle.clear()
@@ -119,8 +121,9 @@ class Batcher:
         if q is not None and pending in q:
             q.remove(pending)
             self._queued -= 1
+            self._tokens[pending.key] -= pending.tokens
             if not q:
-                del self._queues[pending.key]
+                del self._queues[pending.key], self._tokens[pending.key]
 
     def _release(self, pending: Pending) -> None:
         """Count a request as no longer held (once: when answered, or dropped before launch)."""
@@ -144,6 +147,8 @@ class Batcher:
             for p in pendings:
                 p.resolve(Unavailable("the server is shutting down"))
         self._queues.clear()
+        self._tokens.clear()
+        self._queued = 0
 
     # ---- the dispatcher ---------------------------------------------------------------------------
 
@@ -174,7 +179,7 @@ class Batcher:
             if idle:
                 # Idle workers share the oldest key's queue evenly rather than the first taking all.
                 key = self._oldest_key()
-                share = -(-sum(p.tokens for p in self._queues[key]) // len(idle))  # ceil
+                share = -(-self._tokens[key] // len(idle))  # ceil
                 self._launch(self._least_loaded(idle), self._take(key, share))
                 continue
             free = [w for w in self.workers if w.inflight < STAGED_PER_WORKER]
@@ -187,7 +192,7 @@ class Batcher:
             for key in self._keys_oldest_first():
                 q = self._queues[key]
                 waited = now - q[0].enqueued
-                if sum(p.tokens for p in q) >= self.settings.max_batch_tokens or waited >= delay:
+                if self._tokens[key] >= self.settings.max_batch_tokens or waited >= delay:
                     self._launch(self._least_loaded(free), self._take(key))
                     break
                 wait = delay - waited if wait is None else min(wait, delay - waited)
@@ -225,8 +230,9 @@ class Batcher:
             batch.append(p)
             tokens += p.tokens
             memory += p.memory
+        self._tokens[key] -= tokens
         if not q:
-            del self._queues[key]
+            del self._queues[key], self._tokens[key]
         self._queued -= len(batch)
         return batch
 

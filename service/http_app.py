@@ -428,8 +428,8 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         request_id, deadline, arrived = begin(request)
         body, mtype = await read(request)
         big = len(body) > wire.OFFLOAD_BYTES
-        req, encoding = await wire.offload(  # safetensors parsing is zero-copy: inline
-            big and mtype == wire.JSON,
+        req, encoding = await wire.offload(  # a big body off the loop (JSON, misaligned safetensors copies)
+            big,
             lambda: wire.decode_attention(
                 body, mtype, request.query_params, request_id=request_id, deadline=deadline, arrived=arrived
             ),
@@ -453,8 +453,8 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         request_id, deadline, arrived = begin(request)
         body, mtype = await read(request)
         big = len(body) > wire.OFFLOAD_BYTES
-        req, encoding = await wire.offload(  # safetensors parsing is zero-copy: inline
-            big and mtype == wire.JSON,
+        req, encoding = await wire.offload(  # a big body off the loop (JSON, misaligned safetensors copies)
+            big,
             lambda: wire.decode_layer(
                 name,
                 body,

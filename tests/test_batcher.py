@@ -162,6 +162,8 @@ def test_batched_answers_equal_alone(kernel):
 
             await asyncio.gather(*(submitter(i) for i in range(16)))
             launches, launched = batch_sizes(engine)
+            b = engine.batcher  # nothing left counted once every answer is in
+            assert (b._queued, b.held, b._tokens, b._queues) == (0, 0, {}, {})
             return done, launches, launched
 
     done, launches, launched = asyncio.run(main())
