@@ -2,6 +2,9 @@
 # Device-machine script: the service's GPU tests and benchmarks in one call, results under $OUT.
 #   bash bench/gpu_service.sh [tests,profile,engine,http,grpc,loadtest]   (default: all but loadtest)
 # Expects the wheels of .whl/ (../shared/tools/device-wheels.sh) carried beside the checkout.
+# GPU_TESTS adds test paths to the GPU test step (pytest -m gpu ...), e.g.
+#   GPU_TESTS="tests/test_triton_forward.py tests/test_backward.py"; a -k given there filters every
+#   file of the step, so keep it out (one session's run selected nothing that way).
 set -u
 STEPS=${1:-tests,profile,engine,http,grpc}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
