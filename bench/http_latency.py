@@ -237,6 +237,11 @@ def local_server(device: str):
         device,
         "--request-timeout-ms",
         "600000",
+        # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
+        "--warmup-shapes",
+        "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),
+        "--warmup-dtypes",
+        "float16,bfloat16",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"

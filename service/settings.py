@@ -66,8 +66,10 @@ class Settings(BaseSettings):
         "'Authorization: Bearer KEY' or 'X-API-Key'",
     )
     warmup_shapes: str = Field(
-        "1x8x128x64,1x8x1024x64,1x32x1024x128",
-        description="shapes BxHxNxD compiled and warmed per worker at start-up (comma-separated)",
+        "1x8x128x64,1x8x1024x64,1x32x1024x128,1x32x4096x128",
+        description="shapes BxHxNxD compiled and autotuned per worker at start-up (comma-separated; each also "
+        "warms causal and decode, and its power-of-two bucket of N): list the shapes you serve, since "
+        "others run a default kernel config unless --autotune-new-shapes",
     )
     warmup_dtypes: str = Field("float16,bfloat16", description="dtypes warmed at start-up on GPUs")
     memory_fraction: float = Field(

@@ -191,6 +191,8 @@ class Worker:
                     layer.forward(x, causal=causal)
             shapes = parse_shapes(self.settings.warmup_shapes)
             dtypes = parse_dtypes(self.settings.warmup_dtypes) if self._cuda else [torch.float32]
+            if not self._cuda:  # nothing to compile or tune on the CPU: check each head dim's path runs
+                shapes = sorted({(1, 1, min(n, 64), d) for _, _, n, d in shapes})
             if shapes:
                 kernels.warmup(shapes=shapes, dtypes=dtypes, device=self.device)
 
