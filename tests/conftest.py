@@ -101,6 +101,19 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
     raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
 
 
+# A CPU server that starts fast: HTTP only, one tiny warm-up shape.
+FAST = ("--grpc-port", "0", "--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """(folder, tensors) of a one-layer BERT checkpoint (hidden 40, 5 heads) written by the test."""
+    from tests.layer_fixtures import write_bert
+
+    folder = tmp_path_factory.mktemp("bert")
+    return folder, write_bert(folder, hidden_size=40, num_heads=5, num_layers=1)
+
+
 @pytest.fixture(scope="module")
 def cpu_server(tmp_path_factory) -> Iterator[ServerProcess]:
     """One real CPU server per test module (default options)."""

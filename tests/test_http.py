@@ -21,12 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from service.client import AttentionClient, AttentionServiceError
-from tests.conftest import run_server
-from tests.layer_fixtures import block, write_bert
+from tests.conftest import FAST, run_server
+from tests.layer_fixtures import block
 from tests.reference64 import attention64
 
 API_KEY = "s3cret-key"
-FAST = ("--grpc-port", "0", "--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # (B, Hq, Hkv, Nq, Nk, D): why each shape is here
@@ -39,14 +38,8 @@ SHAPES = [
 
 
 @pytest.fixture(scope="module")
-def layer_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bert")
-    return folder, write_bert(folder, hidden_size=40, num_heads=5, num_layers=1)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, layer_dir):
-    with run_server(tmp_path_factory.mktemp("server"), *FAST, "--layer", f"tiny={layer_dir[0]}:0") as s:
+def server(tmp_path_factory, tiny_bert):
+    with run_server(tmp_path_factory.mktemp("server"), *FAST, "--layer", f"tiny={tiny_bert[0]}:0") as s:
         yield s
 
 
@@ -263,7 +256,7 @@ def test_concurrent_mixed_shapes(server):
         list(pool.map(one, cases))
 
 
-def test_client(server, layer_dir):
+def test_client(server, tiny_bert):
     c = AttentionClient(server.url)
     assert c.ready()
     q, k, v = make(SHAPES[1], torch.float16)
@@ -310,8 +303,8 @@ def _bert_reference(tensors, x, kv_lengths=None):
     return F.linear(o.transpose(1, 2).reshape(b, n, hidden), w["o"].double(), w["o_bias"].double())
 
 
-def test_layers(http, server, layer_dir):
-    _, tensors = layer_dir
+def test_layers(http, server, tiny_bert):
+    _, tensors = tiny_bert
     assert http.get("/layers").json()["layers"][0]["name"] == "tiny"
     x = torch.randn(2, 9, 40)
     kv_lengths = torch.tensor([9, 4], dtype=torch.int32)

@@ -12,25 +12,17 @@ import torch
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import run_server
-from tests.layer_fixtures import write_bert
+from tests.conftest import FAST, run_server
 from tests.test_http import assert_matches, make
 
-FAST = ("--grpc-port", "0", "--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32")
 NP = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32}
 OIP = {torch.float16: "FP16", torch.bfloat16: "BF16", torch.float32: "FP32"}
 SHAPE = (2, 4, 2, 17, 23, 40)  # GQA, odd lengths, D = 40
 
 
 @pytest.fixture(scope="module")
-def layer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bert")
-    return folder, write_bert(folder, hidden_size=40, num_heads=5, num_layers=1)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, layer):
-    with run_server(tmp_path_factory.mktemp("oip"), *FAST, "--layer", f"tiny={layer[0]}:0") as s:
+def server(tmp_path_factory, tiny_bert):
+    with run_server(tmp_path_factory.mktemp("oip"), *FAST, "--layer", f"tiny={tiny_bert[0]}:0") as s:
         yield s
 
 
