@@ -361,7 +361,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="docs/benchmarks")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new shapes after this")
+    ap.add_argument("--sections", default="forward,long,decode,backward",
+                    help="comma-separated subset of forward, long, decode, backward")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     DEADLINE[0] = time.monotonic() + args.budget_s
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -378,13 +381,13 @@ def main() -> None:
             "command": "PYTHONPATH=$PWD python3 " + " ".join(sys.argv)}
     log(f"{meta}")
     log("forward, anchor shapes")
-    fwd = bench_forward(ANCHORS, FWD_PROVIDERS, log)
+    fwd = bench_forward(ANCHORS, FWD_PROVIDERS, log) if "forward" in sections else []
     log("long N")
-    long_rows = bench_forward(LONG, ["flash", "sdpa_flash", "sdpa_cudnn"], log)
+    long_rows = bench_forward(LONG, ["flash", "sdpa_flash", "sdpa_cudnn"], log) if "long" in sections else []
     log("decode")
-    dec = bench_decode(log)
+    dec = bench_decode(log) if "decode" in sections else []
     log("backward")
-    bwd = bench_backward(log)
+    bwd = bench_backward(log) if "backward" in sections else []
     colors = {"flash": (220, 30, 30), "flash_v1": (240, 150, 0), "sdpa_flash": (30, 80, 220),
               "sdpa_cudnn": (20, 160, 60), "sdpa_effic": (140, 50, 180), "sdpa_math": (120, 120, 120)}
     series: dict[str, list] = {p: [] for p in colors}

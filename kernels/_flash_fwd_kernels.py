@@ -227,7 +227,9 @@ def _cfg(bm, bn, w, s):
 
 _PREFILL = {
     64: [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 4, 3), _cfg(64, 64, 4, 4),
-         _cfg(64, 128, 4, 3)],
+         _cfg(64, 128, 4, 3),
+         # short sequences (N <= 1k): narrower key blocks win (H200, CUDA-graph timing, 2026-11-30)
+         _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3), _cfg(128, 32, 4, 3)],
     128: [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 128, 8, 2),
           _cfg(64, 64, 4, 3), _cfg(64, 128, 4, 3)],   # BLOCK_M 64: more programs for short N
     256: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],

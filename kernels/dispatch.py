@@ -16,6 +16,7 @@ Every backend gives gradients: ``flash``/``flash_v1`` through ``autograd.FlashAt
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -38,7 +39,7 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_refusal(spec: AttnSpec) -> str | None:
+def triton_refusal(spec: AttnSpec | _SpecView) -> str | None:
     """Why the Triton kernels cannot run for ``spec``, or None when they can."""
     if spec.device.type == "cuda":
         return None
@@ -74,10 +75,15 @@ class Choice:
     refused: dict[str, str]  # kernel name -> why it was not chosen
 
 
-_logged: set[tuple] = set()
+@dataclass(frozen=True)
+class _SpecView:
+    """The part of an ``AttnSpec`` that the choice reads."""
+
+    device: torch.device
+    dtype: torch.dtype
 
 
-def _auto(spec: AttnSpec) -> tuple[str, dict[str, str]]:
+def _auto(spec: AttnSpec | _SpecView) -> tuple[str, dict[str, str]]:
     refused = {"reference": "materialises the Nq x Nk score matrix (O(N^2) memory)"}
     t_refusal = triton_refusal(spec)
     if t_refusal is None and spec.device.type == "cpu" and spec.dtype == torch.bfloat16:
@@ -90,7 +96,16 @@ def _auto(spec: AttnSpec) -> tuple[str, dict[str, str]]:
 
 
 def choose(spec: AttnSpec, kernel: str = "auto") -> Choice:
-    """Pick the implementation for ``spec``; raise ``KernelUnavailableError`` if ``kernel`` cannot run."""
+    """Pick the implementation for ``spec``; raise ``KernelUnavailableError`` if ``kernel`` cannot run.
+
+    The choice depends only on the device type, the dtype and TRITON_INTERPRET, so it is made once
+    per combination (it runs on every call)."""
+    return _choose(spec.device.type, spec.dtype, kernel, triton_interpret())
+
+
+@functools.cache
+def _choose(device_type: str, dtype: torch.dtype, kernel: str, interpret: bool) -> Choice:
+    spec = _SpecView(torch.device(device_type), dtype)
     if kernel not in KERNELS:
         raise KernelUnavailableError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     if kernel == "reference":
@@ -101,10 +116,7 @@ def choose(spec: AttnSpec, kernel: str = "auto") -> Choice:
             raise KernelUnavailableError(f"kernel {kernel!r} cannot run: {refusal}")
         return Choice(kernel, _load(kernel), {})
     name, refused = _auto(spec)
-    key = (spec.device.type, spec.dtype, name)
-    if key not in _logged:
-        _logged.add(key)
-        log.info("attention kernel for %s %s: %s (refused: %s)", spec.device.type,
+    log.info("attention kernel for %s %s: %s (refused: %s)", spec.device.type,
                  str(spec.dtype).replace("torch.", ""), name,
                  "; ".join(f"{k}: {v}" for k, v in refused.items()) or "none")
     return Choice(name, _load(name), refused)

@@ -59,19 +59,92 @@ def _tuned_already(tuned, args: tuple, meta: dict) -> bool:
     return tuple(key) in tuned.cache
 
 
+# (kernel, device, dtypes, 16-byte alignments, int args, constexprs) -> (compiled kernel, config, constexprs)
+_compiled: dict[tuple, tuple] = {}
+_COMPILED_MAX = 4096  # distinct signatures kept (a service sees one per (Nq, Nk, ...) it serves)
+
+
+def _remember(key: tuple, entry: tuple) -> tuple:
+    if len(_compiled) >= _COMPILED_MAX:
+        _compiled.clear()  # entries are cheap to rebuild (a lookup in Triton's own cache)
+    _compiled[key] = entry
+    return entry
+
+
+def _grid3(grid: tuple) -> tuple:
+    """A compiled kernel's launcher reads all three grid dims (``fn[grid]`` pads them itself)."""
+    return grid if len(grid) == 3 else (*grid, 1, 1)[:3]
+
+
+def _signature(tuned, args: tuple, meta: dict, device: torch.device) -> tuple:
+    """What decides which compiled kernel a launch needs: Triton specialises a kernel on each
+    tensor's dtype and 16-byte alignment and on each integer's value class; our integer args also
+    carry the autotuning key (head dim, length buckets). Floats are never specialised."""
+    sig = [id(tuned), device.index]  # tuned: an Autotuner, or a plain JITFunction
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            sig.append(a)
+    sig.extend(meta.values())
+    return tuple(sig)
+
+
+def _choose_config(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor) -> tuple[dict, bool]:
+    """(config kwargs, launched): the tuned config, launched through the autotuner (which tunes a
+    new key first); or the first pruned config, not launched (ATTNSERVE_AUTOTUNE=0, or a key not
+    tuned before ``freeze_autotuning()``)."""
+    if not autotune_enabled() or (_frozen and not _tuned_already(tuned, args, meta)):
+        cfg, launched = tuned.early_config_prune(tuned.configs, {"Q": first_tensor}, **meta)[0], False
+    else:
+        tuned[grid](*args, **meta)
+        cfg, launched = tuned.best_config, True
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, launched
+
+
 def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor) -> None:
-    """Run an autotuned kernel: tuned (default), its first pruned config (ATTNSERVE_AUTOTUNE=0, or a
-    key not tuned before ``freeze_autotuning()``), or one small config under the interpreter.
-    ``grid`` maps a config's kwargs to the grid."""
+    """Run an autotuned kernel. ``grid`` maps a config's kwargs to the grid.
+
+    A launch whose signature was seen before goes straight to the compiled kernel: Triton's
+    autotuner and argument binder cost ~70-90 us of host time per call, more than a short
+    kernel runs (a 1x8x128x64 forward takes ~10 us on the GPU). Under the interpreter: one small
+    config, no cache."""
     raw = tuned.fn
     if interpreting():
         raw[grid(_INTERPRET_CFG)](*args, **meta, **_INTERPRET_CFG)
-    elif not autotune_enabled() or (_frozen and not _tuned_already(tuned, args, meta)):
-        cfg = tuned.early_config_prune(tuned.configs, {"Q": first_tensor}, **meta)[0]
-        raw[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
-                              num_stages=cfg.num_stages)
-    else:
-        tuned[grid](*args, **meta)
+        return
+    dev = first_tensor.device
+    key = _signature(tuned, args, meta, dev)
+    hit = _compiled.get(key)
+    if hit is not None:
+        compiled, cfg, tail = hit
+        compiled[_grid3(grid(cfg))](*args, *tail)  # every argument, constexprs included, in signature order
+        return
+    cfg, launched = _choose_config(tuned, grid, args, meta, first_tensor)
+    consts = {**meta, **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}}
+    compiled = raw.warmup(*args, grid=grid(cfg), **meta, **cfg)  # after the autotuner: a cache lookup
+    if compiled is None:  # Triton's interpreter compiles nothing (tests that take this branch on a CPU)
+        if not launched:
+            raw[grid(cfg)](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
+    tail = tuple(consts[name] for name in raw.arg_names[len(args):])
+    _remember(key, (compiled, cfg, tail))
+    if not launched:
+        compiled[_grid3(grid(cfg))](*args, *tail)
+
+
+def launch_plain(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
+    """Run a plain ``@triton.jit`` kernel through the same compiled-kernel cache as ``launch``;
+    ``consts`` are its constexpr args, ``options`` launch options such as num_warps."""
+    if interpreting():
+        fn[grid](*args, **consts, **options)
+        return
+    key = _signature(fn, args, {**consts, **options}, args[0].device)
+    hit = _compiled.get(key)
+    if hit is None:
+        compiled = fn.warmup(*args, grid=grid, **consts, **options)
+        hit = _remember(key, (compiled, None, tuple(consts[name] for name in fn.arg_names[len(args):])))
+    hit[0][_grid3(grid)](*args, *hit[2])
 
 
 def _bucket(n: int) -> int:
@@ -105,6 +178,7 @@ def kv_length_arg(kv_lengths: torch.Tensor | None, n_k: int, device: torch.devic
     return kv_lengths.to(device=device, dtype=torch.int32).clamp(0, n_k).contiguous()
 
 
+@functools.lru_cache(maxsize=4096)  # ~11 us of Python per call otherwise, on every launch
 def plan(b: int, hq: int, hkv: int, n_q: int, n_k: int, device: torch.device,
          num_splits: int | None = None) -> tuple[int, int, int]:
     """(pack, splits, keys_per_split) for a problem: pack GQA groups when queries are few; split
@@ -189,9 +263,9 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: 
     if interpreting():
         rows = 64
     bs = triton.next_power_of_2(s)
-    kern.attn_combine[(triton.cdiv(r, rows),)](
-        o_part, lse_part, o, lse, *o.stride(), s, r, hq, n_q, rows,
-        D=d, BLOCK_D=block_d(d), BLOCK_S=bs, num_warps=8 if bs * block_d(d) > 8192 else 4,
+    launch_plain(
+        kern.attn_combine, (triton.cdiv(r, rows),), (o_part, lse_part, o, lse, *o.stride(), s, r, hq, n_q, rows),
+        dict(D=d, BLOCK_D=block_d(d), BLOCK_S=bs), num_warps=8 if bs * block_d(d) > 8192 else 4,
     )
 
 

@@ -14,12 +14,19 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
 A batch step resolves exactly one future per request, fans an error out to exactly the requests
 it concerns, and checks the count of answers. The queue is bounded (``max_queue_size`` requests
 queued or running): beyond it ``submit`` refuses at once with ``QueueFull``.
+
+Deadlines: one heap of every waiting request's deadline and one timer armed at the earliest;
+when it fires, each request past its deadline gets ``DeadlineExceeded`` (a queued one is dropped
+from its queue; a launched one is answered now and its launch's outcome is ignored). This costs a
+heap push per request where an ``asyncio.timeout`` per request cost a timer and a context each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import time
 from collections import deque
@@ -37,7 +44,7 @@ log = logging.getLogger("attnserve.batcher")
 STAGED_PER_WORKER = 2  # one launch running + one batch closed and waiting behind it
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """A request waiting for its answer: exactly one of set_result/set_exception ever happens."""
 
@@ -76,6 +83,12 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._latency_ema = 0.01  # seconds a launch takes, for Retry-After
+        # [deadline, seq, pending]: pending becomes None once answered (dropped lazily, see _forget)
+        self._deadlines: list[list] = []
+        self._deadline_seq = itertools.count()  # ties: no comparison ever reaches the Pending
+        self._forgotten = 0  # entries of _deadlines whose pending is None
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        self._sweep_at: float | None = None  # the deadline the sweep timer is armed for
 
     # ---- the caller's side ----------------------------------------------------------------------
 
@@ -101,20 +114,57 @@ class Batcher:
         self._held += 1
         self._idle.clear()
         self._wake.set()
+        entry = None
         deadline = pending.request.deadline
-        if deadline is not None:  # req.deadline is on time.monotonic()'s clock; the loop may have its own
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + (deadline - time.monotonic())
+        if deadline is not None:
+            entry = [deadline, next(self._deadline_seq), pending]
+            heapq.heappush(self._deadlines, entry)
+            if self._sweep_at is None or deadline < self._sweep_at:
+                self._arm_sweep(deadline)
         try:
-            async with asyncio.timeout_at(deadline):
-                return await pending.future
-        except TimeoutError:
-            raise DeadlineExceeded("the request's deadline passed before it was answered") from None
+            return await pending.future
         finally:
+            if entry is not None:
+                self._forget(entry)
             if not pending.launched:  # deadline passed or caller cancelled while queued: drop it
                 pending.future.cancel()
                 self._remove_queued(pending)
                 self._release(pending)
+
+    def _arm_sweep(self, deadline: float) -> None:
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+        # req.deadline is on time.monotonic()'s clock; the loop may have its own
+        loop = asyncio.get_running_loop()
+        self._sweep_handle = loop.call_at(loop.time() + (deadline - time.monotonic()), self._sweep)
+        self._sweep_at = deadline
+
+    def _sweep(self) -> None:
+        """The deadline timer: answer every request past its deadline, re-arm for the next."""
+        self._sweep_handle = self._sweep_at = None
+        heap, now = self._deadlines, time.monotonic()
+        while heap and (heap[0][0] <= now or heap[0][2] is None):
+            entry = heapq.heappop(heap)
+            pending = entry[2]
+            if pending is None:
+                self._forgotten -= 1
+                continue
+            entry[2] = None
+            pending.resolve(DeadlineExceeded("the request's deadline passed before it was answered"))
+        if heap:
+            self._arm_sweep(heap[0][0])
+
+    def _forget(self, entry: list) -> None:
+        """Mark an answered request's heap entry dead; rebuild the heap once most entries are dead,
+        so that answered requests (their tensors) are not held until their deadlines."""
+        if entry[2] is None:  # already popped by the sweep
+            return
+        entry[2] = None
+        self._forgotten += 1
+        if self._forgotten > 64 and 2 * self._forgotten > len(self._deadlines):
+            self._deadlines = [e for e in self._deadlines if e[2] is not None]
+            heapq.heapify(self._deadlines)
+            self._forgotten = 0
 
     def _remove_queued(self, pending: Pending) -> None:
         q = self._queues.get(pending.key)
@@ -139,6 +189,9 @@ class Batcher:
         await self._idle.wait()
 
     async def stop(self) -> None:
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = self._sweep_at = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

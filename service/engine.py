@@ -56,6 +56,7 @@ class Engine:
         self.batcher: Batcher | None = None
         self._started = False
         self._draining = False
+        self._memory_budget = 0  # bytes: the least any worker may use (known once they are warm)
 
     @property
     def devices(self) -> list[str]:
@@ -79,6 +80,7 @@ class Engine:
         if not self.workers:
             await asyncio.to_thread(self.prepare)
         await asyncio.gather(*(w.start() for w in self.workers))
+        self._memory_budget = min(w.memory_budget for w in self.workers)
         if not self.settings.autotune_new_shapes:
             kernels.freeze_autotuning()  # no tuning on the request path from here on
         self.batcher.start()
@@ -99,7 +101,7 @@ class Engine:
     def _check_accepting(self) -> None:
         if self._draining:
             raise Unavailable("the server is draining (shutting down); send the request to another replica")
-        if not self.ready:
+        if not self._started:  # set once every worker is warm (start), so it stands for ``ready`` here
             raise Unavailable("the server is not ready (warming up its kernels); retry shortly")
 
     def _default_deadline(self, req: AttentionRequest | LayerRequest) -> None:
@@ -107,7 +109,7 @@ class Engine:
             req.deadline = req.arrived + self.settings.request_timeout_ms / 1000.0
 
     def _check_memory(self, need: int, what: str) -> None:
-        budget = min(w.memory_budget for w in self.workers)
+        budget = self._memory_budget
         if need > budget:
             raise PayloadTooLarge(
                 f"{what} needs about {need / 2**20:.0f} MiB of device memory, more than a "
@@ -119,7 +121,7 @@ class Engine:
         try:
             result = await self.batcher.submit(pending)
         except ServiceError as exc:
-            self.metrics.failure.labels(pending.kind, exc.code).inc()
+            self.metrics.failed(pending.kind, exc.code)
             raise
         self.metrics.success_of[pending.kind].inc()
         self.metrics.request_duration_of[pending.kind].observe(time.monotonic() - t0)
@@ -144,7 +146,7 @@ class Engine:
             memory = attention_memory(req, self.workers[0].device.type)
             self._check_memory(memory, "this attention request")
         except ServiceError as exc:
-            self.metrics.failure.labels("attention", exc.code).inc()
+            self.metrics.failed("attention", exc.code)
             raise
         self._default_deadline(req)
         # Requests that can share a launch: equal after layout normalisation. kv_lengths presence is
@@ -177,7 +179,7 @@ class Engine:
             memory = layer_memory(req, layer.info.hidden_size)
             self._check_memory(memory, f"this call of layer {req.layer!r}")
         except ServiceError as exc:
-            self.metrics.failure.labels("layer", exc.code).inc()
+            self.metrics.failed("layer", exc.code)
             raise
         self._default_deadline(req)
         key = (

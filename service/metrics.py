@@ -94,6 +94,14 @@ class Metrics:
         self.success_of = {k: self.success.labels(k) for k in kinds}
         self.queue_duration_of = {k: self.queue_duration.labels(k) for k in kinds}
         self.request_duration_of = {k: self.request_duration.labels(k) for k in kinds}
+        self._failure_of: dict[tuple[str, str], Counter] = {}  # (kind, reason) -> child, filled as seen
+
+    def failed(self, kind: str, reason: str) -> None:
+        """Count one failed request (under overload, QueueFull comes once per request)."""
+        child = self._failure_of.get((kind, reason))
+        if child is None:
+            child = self._failure_of[kind, reason] = self.failure.labels(kind, reason)
+        child.inc()
 
     def track_queue(self, queued, held) -> None:
         """Read the batcher's counts (callables) at each scrape instead of setting them per request."""

@@ -142,6 +142,10 @@ class Worker:
         self.inflight = 0  # batches handed to this worker and not finished (the batcher counts)
         self.inflight_tokens = 0
         self.memory_budget = 0
+        # this device's series, looked up once (``labels()`` costs more than an observation)
+        self._compute_duration = metrics.compute_duration.labels(self.name)
+        self._batch_size = metrics.batch_size.labels(self.name)
+        self._exec_count = metrics.exec_count.labels(self.name)
         self._cuda = device.type == "cuda"
         self._copy_in_stream = self._compute_stream = self._copy_out_stream = None
         init = (lambda: torch.cuda.set_device(device)) if self._cuda else None
@@ -214,9 +218,9 @@ class Worker:
             outcomes = await loop.run_in_executor(
                 self._launcher, lambda: _finish_all(self._launch_all(requests))
             )
-        self.metrics.compute_duration.labels(self.name).observe(time.perf_counter() - t0)
-        self.metrics.batch_size.labels(self.name).observe(len(requests))
-        self.metrics.exec_count.labels(self.name).inc()
+        self._compute_duration.observe(time.perf_counter() - t0)
+        self._batch_size.observe(len(requests))
+        self._exec_count.inc()
         return outcomes
 
     def _launch_all(self, requests: list[Request]) -> list[_Part]:

@@ -364,6 +364,31 @@ def test_deadline_expiry_never_launches(gate):
     assert (2, 4, 1, 40) not in launches  # SHAPES[1]'s q never reached the kernel
 
 
+def test_deadline_of_a_launched_request(gate):
+    """A request already running gets DeadlineExceeded at its deadline, not when its launch ends;
+    the deadline heap keeps no answered request (nor its tensors) until its deadline."""
+
+    async def main():
+        async with started_engine() as engine:
+            g = gate(hold=True)
+            running = make_request(SHAPES[0], OPTIONS[0], seed=0)
+            running.deadline = time.monotonic() + 0.2
+            task = asyncio.create_task(engine.attend(running))
+            await g.wait_entered()
+            with pytest.raises(errors.DeadlineExceeded):
+                await task
+            late_by = time.monotonic() - running.deadline
+            g.opened.set()
+            for _ in range(200):
+                await engine.attend(make_request(SHAPES[0], OPTIONS[0], seed=1))
+            return late_by, engine.batcher
+
+    late_by, batcher = asyncio.run(main())
+    assert 0 <= late_by < 0.15
+    assert batcher.held == 0
+    assert sum(e[2] is not None for e in batcher._deadlines) == 0 and len(batcher._deadlines) <= 130
+
+
 def test_payload_too_large_refused_before_allocation(gate):
     async def main():
         async with started_engine(memory_fraction=1e-7) as engine:  # ~2 KiB may be used

@@ -44,7 +44,9 @@ def recorded(monkeypatch):
         return forward
 
     monkeypatch.setattr(dispatch, "_load", fake_load)
-    return calls
+    dispatch._choose.cache_clear()  # choices are memoised with the real backends in them
+    yield calls
+    dispatch._choose.cache_clear()
 
 
 def test_auto_on_cuda_picks_flash_and_says_why_not_the_others():
@@ -97,7 +99,7 @@ def test_attention_auto_on_plain_cpu_runs_cpu_path(recorded, no_interpreter):
 
 
 def test_choice_is_logged_once(caplog, no_interpreter):
-    dispatch._logged.clear()
+    dispatch._choose.cache_clear()
     with caplog.at_level(logging.INFO, logger="attnserve.kernels"):
         for _ in range(3):
             dispatch.choose(spec("cpu", torch.float16))

@@ -180,3 +180,30 @@ def test_gpu_split_counts_agree(splits):
     q, k, v, causal, scale, kvl = make(GPU_CASES["decode_split"], torch.bfloat16, "cuda")
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=splits)
     check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_cache_follows_data_and_alignment():
+    """Repeated launches of one signature reuse the compiled kernel (kernels.flash.launch): each
+    call must still read its own tensors, and a view whose data pointer is not 16-byte aligned
+    must get a kernel compiled for that, not the aligned one."""
+    from kernels import flash
+
+    case = (2, 4, 2, 97, 97, 64, True, [97, 40])
+    runs = []
+    for seed in (1, 2):
+        q, k, v, causal, scale, kvl = make(case, torch.float16, "cuda", seed=seed)
+        runs.append((q, k, v, causal, scale, kvl))
+    for i, (q, k, v, causal, scale, kvl) in enumerate(runs + runs):  # the second pass hits the cache
+        if i == len(runs):
+            seen = len(flash._compiled)
+        o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+        check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+    assert len(flash._compiled) == seen
+    q, k, v, causal, scale, kvl = runs[0]
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_odd = flat[1:].view(q.shape)  # 2 bytes past an aligned address
+    q_odd.copy_(q)
+    assert q_odd.data_ptr() % 16 != 0
+    o, lse = flash_forward(q_odd, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    check_against_reference(o, lse, q_odd, k, v, causal, scale, kvl, abs_slack=2e-3)
