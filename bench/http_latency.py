@@ -237,6 +237,9 @@ def local_server(device: str):
         device,
         "--request-timeout-ms",
         "600000",
+        # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
+        "--max-json-mb",
+        "1024",
         # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
         "--warmup-shapes",
         "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),

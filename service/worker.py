@@ -44,6 +44,8 @@ log = logging.getLogger("attnserve.worker")
 # run in parallel.
 _LAUNCH_LOCK = threading.Lock()
 
+DIRECT_COPY_MAX_BYTES = 1 << 20  # a lone input up to this size goes to the GPU without pinned staging
+
 Outcome = AttentionResult | LayerResult | ServiceError
 Request = AttentionRequest | LayerRequest
 
@@ -212,8 +214,36 @@ class Worker:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         if self._cuda:
-            parts = await loop.run_in_executor(self._launcher, self._launch_all, list(requests))
-            outcomes = await loop.run_in_executor(self._finisher, _finish_all, parts)
+            # the launcher hands its parts to the finisher itself: the event loop wakes once per
+            # batch (when the answers are ready), not also between the two stages
+            answered = loop.create_future()
+
+            def settle(outcomes=None, exc=None) -> None:
+                if answered.done():  # the awaiting coroutine was cancelled
+                    return
+                if exc is not None:
+                    answered.set_exception(exc)
+                else:
+                    answered.set_result(outcomes)
+
+            def finish(parts: list[_Part]) -> None:
+                try:
+                    outcomes = _finish_all(parts)
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                    loop.call_soon_threadsafe(settle, None, exc)
+                else:
+                    loop.call_soon_threadsafe(settle, outcomes)
+
+            def launch() -> None:
+                try:
+                    parts = self._launch_all(list(requests))
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                    loop.call_soon_threadsafe(settle, None, exc)
+                else:
+                    self._finisher.submit(finish, parts)
+
+            self._launcher.submit(launch)
+            outcomes = await answered
         else:  # the CPU computes in the launcher: nothing is left to wait for, so one hop
             outcomes = await loop.run_in_executor(
                 self._launcher, lambda: _finish_all(self._launch_all(requests))
@@ -293,34 +323,35 @@ class Worker:
             return self._launch_attention(reqs)  # type: ignore[arg-type]
         return self._launch_layer(reqs)  # type: ignore[arg-type]
 
-    def _stage(self, parts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Concatenate along dim 0 and move to the device, with one host copy at most.
+    def _stage(self, *groups: tuple[Sequence[torch.Tensor], torch.dtype] | None) -> list[torch.Tensor | None]:
+        """One tensor per group of parts: the parts concatenated along dim 0, as ``dtype``, on the
+        device (None stays None). Request bytes are read, never written.
 
-        On a GPU: into pinned memory (a parallel copy), then a non-blocking copy on the copy-in
-        stream. On the CPU a lone tensor is used as it is (a view of the request's bytes: read,
-        never written).
+        On a GPU every copy goes on the copy-in stream (entered once: entering costs ~10-20 us) and
+        the compute stream then waits for them. A small lone part of the right dtype is copied
+        straight from its bytes (pinned staging costs ~0.1 ms per small tensor); big or several
+        parts are concatenated into pinned memory (one parallel host copy) and sent in one DMA
+        transfer, which beats the driver's own staging of pageable memory for big tensors (H200:
+        a 1x32x8192x128 bf16 request ran at 17% of the kernel's rate with direct copies, 23% with
+        pinned staging). On the CPU a lone part is used as it is.
         """
-        dtype = dtype or parts[0].dtype
-        if not self._cuda and len(parts) == 1 and parts[0].dtype == dtype:
-            return parts[0]
-        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-        buf = torch.empty(shape, dtype=dtype, pin_memory=self._cuda)
-        if len(parts) > 1 and all(p.dtype == dtype for p in parts):
-            torch.cat(list(parts), dim=0, out=buf)  # one op (parallel for big inputs) for many parts
-        else:
-            b0 = 0
-            for p in parts:
-                buf[b0 : b0 + p.shape[0]].copy_(p)  # a converting copy when dtypes differ
-                b0 += p.shape[0]
         if not self._cuda:
-            return buf
+            return [None if g is None else _concat(*g, pin=False) for g in groups]
+        out: list[torch.Tensor | None] = []
         with torch.cuda.stream(self._copy_in_stream):
-            return buf.to(self.device, non_blocking=True)
-
-    def _inputs_ready(self) -> None:
-        """The compute stream waits for the copies enqueued so far on the copy-in stream."""
-        if self._cuda:
-            self._compute_stream.wait_stream(self._copy_in_stream)
+            for g in groups:
+                if g is None:
+                    out.append(None)
+                    continue
+                parts, dtype = g
+                lone = len(parts) == 1 and parts[0].dtype == dtype
+                if lone and parts[0].nbytes <= DIRECT_COPY_MAX_BYTES:
+                    src = parts[0]
+                else:
+                    src = _concat(parts, dtype, pin=True)
+                out.append(src.to(self.device, non_blocking=True))
+        self._compute_stream.wait_stream(self._copy_in_stream)
+        return out
 
     def _to_host(self, tensors: Sequence[torch.Tensor | None]) -> tuple[list, Any]:
         """Enqueue device->host copies into pinned memory after the compute so far; return the host
@@ -343,13 +374,14 @@ class Worker:
 
     def _launch_attention(self, reqs: list[AttentionRequest]) -> _Part:
         first = reqs[0]
-        q = self._stage([r.q for r in reqs])  # (ΣB, Hq, Nq, D)
-        k = self._stage([r.k for r in reqs])  # (ΣB, Hkv, Nk, D)
-        v = self._stage([r.v for r in reqs])
-        kv_lengths = None
-        if first.kv_lengths is not None:  # kv_lengths presence is part of the batch key
-            kv_lengths = self._stage([r.kv_lengths for r in reqs], torch.int32)  # (ΣB,)
-        self._inputs_ready()
+        dtype = first.q.dtype
+        q, k, v, kv_lengths = self._stage(  # (ΣB, Hq, Nq, D), (ΣB, Hkv, Nk, D) x2, (ΣB,) or None
+            ([r.q for r in reqs], dtype),
+            ([r.k for r in reqs], dtype),
+            ([r.v for r in reqs], dtype),
+            # kv_lengths presence is part of the batch key
+            ([r.kv_lengths for r in reqs], torch.int32) if first.kv_lengths is not None else None,
+        )
         with self._launch_lock():
             o, lse = kernels.attention(
                 q,
@@ -385,13 +417,11 @@ class Worker:
         layer = self.layers.get(first.layer)
         if layer is None:
             raise InvalidInput(f"layer {first.layer!r} is not loaded on {self.name}")
-        x = self._stage([r.x for r in reqs], layer.info.dtype)  # (ΣB, N, hidden)
-        positions = kv_lengths = None
-        if first.positions is not None:
-            positions = self._stage([r.positions for r in reqs], torch.int64)  # (ΣB, N)
-        if first.kv_lengths is not None:
-            kv_lengths = self._stage([r.kv_lengths for r in reqs], torch.int32)  # (ΣB,)
-        self._inputs_ready()
+        x, positions, kv_lengths = self._stage(  # (ΣB, N, hidden), (ΣB, N) or None, (ΣB,) or None
+            ([r.x for r in reqs], layer.info.dtype),
+            ([r.positions for r in reqs], torch.int64) if first.positions is not None else None,
+            ([r.kv_lengths for r in reqs], torch.int32) if first.kv_lengths is not None else None,
+        )
         with self._launch_lock():
             y = layer.forward(x, causal=first.causal, positions=positions, kv_lengths=kv_lengths)
         (y_host,), done = self._to_host([y])
@@ -411,6 +441,23 @@ class Worker:
     def close(self) -> None:
         self._launcher.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
+
+
+def _concat(parts: Sequence[torch.Tensor], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """parts concatenated along dim 0 as ``dtype``, in a new buffer (pinned host memory if
+    ``pin``); a lone unpinned part of the right dtype is returned as it is."""
+    if not pin and len(parts) == 1 and parts[0].dtype == dtype:
+        return parts[0]
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    if len(parts) > 1 and all(p.dtype == dtype for p in parts):
+        torch.cat(list(parts), dim=0, out=buf)  # one op (parallel for big inputs) for many parts
+    else:
+        b0 = 0
+        for p in parts:
+            buf[b0 : b0 + p.shape[0]].copy_(p)  # a converting copy when dtypes differ
+            b0 += p.shape[0]
+    return buf
 
 
 def _describe(r: Request) -> str:

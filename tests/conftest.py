@@ -21,6 +21,10 @@ HAS_CUDA = torch.cuda.is_available()
 # Triton's interpreter is chosen when a kernel module is imported: set it before any test imports one.
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # ... and decorate every kernel now: a test that unsets it for the CPU path (test_batcher) must
+    # not be the first to import one, or the kernels stay compiled-mode for the rest of the run
+    import kernels.autograd  # noqa: E402, F401
+    import kernels.flash_v1  # noqa: E402, F401
 
 
 def pytest_collection_modifyitems(config, items):
