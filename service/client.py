@@ -16,12 +16,12 @@ Errors raise ``AttentionServiceError`` carrying the HTTP ``status``, the service
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-import httpx
 import orjson
 import safetensors.torch
 import torch
+import urllib3
 
 SAFETENSORS = "application/x-safetensors"
 
@@ -56,7 +56,12 @@ def _bool(value: bool) -> str:
 
 
 class AttentionClient:
-    """A synchronous client (httpx, connection pooling); safe to share between threads."""
+    """A synchronous client (urllib3, connection pooling); safe to share between threads.
+
+    urllib3 rather than httpx: on a 256 MiB safetensors call httpx took 3.3-4.1 s where urllib3
+    and http.client took 0.35-0.4 s against the same server (loopback, 2026-11-30); on a small
+    call httpx added ~3 ms. POSTs are never retried (a retried attention call costs the GPU twice).
+    """
 
     def __init__(
         self,
@@ -68,10 +73,13 @@ class AttentionClient:
         headers = {"X-API-Key": api_key} if api_key else {}
         if request_timeout_ms is not None:
             headers["X-Request-Timeout-Ms"] = str(request_timeout_ms)
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self._base = base_url.rstrip("/")
+        self._http = urllib3.PoolManager(
+            maxsize=16, headers=headers, retries=False, timeout=urllib3.Timeout(total=timeout)
+        )
 
     def close(self) -> None:
-        self._http.close()
+        self._http.clear()
 
     def __enter__(self) -> AttentionClient:
         return self
@@ -82,19 +90,25 @@ class AttentionClient:
     def _post(
         self, path: str, tensors: dict[str, torch.Tensor | None], params: dict[str, str]
     ) -> dict[str, torch.Tensor]:
-        r = self._http.post(
-            path, content=_pack(tensors), params=params, headers={"Content-Type": SAFETENSORS}
+        r = self._http.request(
+            "POST",
+            f"{self._base}{path}?{urlencode(params)}",
+            body=_pack(tensors),
+            headers={**self._http.headers, "Content-Type": SAFETENSORS},
         )
         self._raise_for_error(r)
-        return safetensors.torch.load(r.content)
+        return safetensors.torch.load(r.data)
+
+    def _get(self, path: str) -> urllib3.BaseHTTPResponse:
+        return self._http.request("GET", f"{self._base}{path}")
 
     @staticmethod
-    def _raise_for_error(r: httpx.Response) -> None:
-        if r.status_code < 400:
+    def _raise_for_error(r: urllib3.BaseHTTPResponse) -> None:
+        if r.status < 400:
             return
-        code, message = "http_error", r.text
+        code, message = "http_error", r.data.decode(errors="replace")
         try:
-            err = orjson.loads(r.content)["error"]
+            err = orjson.loads(r.data)["error"]
             code, message = (err["code"], err["message"]) if isinstance(err, dict) else (code, str(err))
         except (orjson.JSONDecodeError, KeyError, TypeError):
             pass
@@ -102,7 +116,7 @@ class AttentionClient:
             retry = float(r.headers["retry-after"])
         except (KeyError, ValueError):
             retry = None
-        raise AttentionServiceError(r.status_code, code, message, retry)
+        raise AttentionServiceError(r.status, code, message, retry)
 
     def attention(
         self,
@@ -129,9 +143,9 @@ class AttentionClient:
         return (out["o"], out["lse"]) if return_lse else out["o"]
 
     def layers(self) -> list[dict[str, Any]]:
-        r = self._http.get("/layers")
+        r = self._get("/layers")
         self._raise_for_error(r)
-        return r.json()["layers"]
+        return orjson.loads(r.data)["layers"]
 
     def call_layer(
         self,
@@ -151,6 +165,6 @@ class AttentionClient:
 
     def ready(self) -> bool:
         try:
-            return self._http.get("/readyz").status_code == 200
-        except httpx.HTTPError:
+            return self._get("/readyz").status == 200
+        except urllib3.exceptions.HTTPError:
             return False
