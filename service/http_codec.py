@@ -127,16 +127,12 @@ def deadline_from(header: str | None, settings: Settings, arrived: float) -> flo
 
 
 async def with_deadline(call: Callable[[], Awaitable[T]], deadline: float) -> T:
-    """Await an engine call, giving up with 504 when ``deadline`` passes (the engine also drops
-    requests whose deadline passed before launch)."""
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
+    """Await an engine call whose request carries ``deadline``: the engine answers
+    ``DeadlineExceeded`` (504) once it passes, queued or launched (one timer for all requests, see
+    ``service.batcher``), so no timer per request here."""
+    if deadline <= time.monotonic():
         raise DeadlineExceeded("the request deadline passed before the request was queued")
-    try:
-        async with asyncio.timeout(remaining):
-            return await call()
-    except TimeoutError:
-        raise DeadlineExceeded("the request deadline passed before an answer was ready") from None
+    return await call()
 
 
 async def offload(big: bool, fn: Callable[..., T], *args: Any) -> T:
