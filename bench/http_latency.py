@@ -91,8 +91,8 @@ def http_times(http: http_client.HTTPConnection, body: bytes, ctype: str, iters:
     """Seconds per POST /attention (one in flight, keep-alive) and the response size.
 
     The standard library's client, so that the client's own cost stays out of the server's
-    number: httpx took 3.3-4.1 s for a 256 MiB call that http.client made in 0.4 s, and added
-    ~3 ms to a small one (loopback, 2026-11-30)."""
+    number: httpx took 3.3-4.1 s for a 256 MiB call that http.client made in 0.4 s, and 0.4-1 ms
+    more on a small one (loopback, 2-core box, 2026-11-30)."""
     headers = {"Content-Type": ctype}
 
     def post() -> bytes:

@@ -59,8 +59,8 @@ class AttentionClient:
     """A synchronous client (urllib3, connection pooling); safe to share between threads.
 
     urllib3 rather than httpx: on a 256 MiB safetensors call httpx took 3.3-4.1 s where urllib3
-    and http.client took 0.35-0.4 s against the same server (loopback, 2026-11-30); on a small
-    call httpx added ~3 ms. POSTs are never retried (a retried attention call costs the GPU twice).
+    and http.client took 0.35-0.4 s against the same server (loopback, 2026-11-30); small calls
+    cost about the same with either. POSTs are never retried (a retried call costs the GPU twice).
     """
 
     def __init__(

@@ -458,6 +458,11 @@ def test_api_key(strict):
             assert c.ready() is True  # health is exempt
     with GrpcAttentionClient(strict.grpc_target, api_key=API_KEY) as c:
         assert_close_to_reference(c.attention(q, k, v), q, k, v)
+    # a good call first, then a wrong key: the key is checked on every call
+    with GrpcAttentionClient(strict.grpc_target, api_key="wrong") as c:
+        with pytest.raises(GrpcAttentionServiceError) as info:
+            c.attention(q, k, v)
+        assert info.value.status == grpc.StatusCode.UNAUTHENTICATED
     with grpc.insecure_channel(strict.grpc_target) as ch:  # reflection is exempt too
         assert "attention.v1.AttentionService" in list_services(ch)
 
