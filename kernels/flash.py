@@ -106,7 +106,7 @@ def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor) -> 
     """Run an autotuned kernel. ``grid`` maps a config's kwargs to the grid.
 
     A launch whose signature was seen before goes straight to the compiled kernel: Triton's
-    autotuner and argument binder cost ~70-90 us of host time per call, more than a short
+    autotuner and argument binder cost 55-90 us of host time per call, more than a short
     kernel runs (a 1x8x128x64 forward takes ~10 us on the GPU). Under the interpreter: one small
     config, no cache."""
     raw = tuned.fn

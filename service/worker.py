@@ -332,7 +332,7 @@ class Worker:
         straight from its bytes (pinned staging costs ~0.1 ms per small tensor); big or several
         parts are concatenated into pinned memory (one parallel host copy) and sent in one DMA
         transfer, which beats the driver's own staging of pageable memory for big tensors (H200:
-        a 1x32x8192x128 bf16 request ran at 17% of the kernel's rate with direct copies, 23% with
+        a 1x32x8192x128 bf16 request ran at 17% of the kernel's rate with direct copies, 21-23% with
         pinned staging). On the CPU a lone part is used as it is.
         """
         if not self._cuda:
