@@ -1,10 +1,13 @@
 """Collect the summaries of many ``loadtest.run`` calls into one table (and plots).
 
     python -m loadtest.report DIR [--out OUTDIR]
+    python -m loadtest.report --from-csv results.csv --out OUTDIR   # re-plot a table
 
-Reads DIR/**/*_summary.json; writes OUTDIR/results.md (markdown table), OUTDIR/results.csv and,
-when matplotlib is importable, OUTDIR/<mix>_throughput.png and <mix>_p99.png (one line per
-transport and batching setting, against users). OUTDIR defaults to DIR.
+Reads DIR/**/*_summary.json (or, with --from-csv, a results.csv this module wrote: e.g. when only
+the table came back from a GPU host); writes OUTDIR/results.md (markdown table), OUTDIR/results.csv
+and, when matplotlib is importable (``make install`` brings it; the GPU image lacks it),
+OUTDIR/<mix>_throughput.png and <mix>_p99.png (one line per transport and batching setting,
+against users). OUTDIR defaults to DIR.
 """
 
 from __future__ import annotations
@@ -36,6 +39,17 @@ def load(directory: Path) -> list[dict]:
             "tag": c["tag"],
         })
     rows.sort(key=lambda r: (r["mix"], r["transport"], r["batching"], r["users"], r["tag"]))
+    return rows
+
+
+def load_csv(path: Path) -> list[dict]:
+    """Rows of a results.csv written by ``main``, numbers parsed back."""
+    ints, text = {"users", "processes", "requests", "failures"}, {"mix", "transport", "batching", "memory", "tag"}
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            rows.append({k: (v if k in text else int(v) if k in ints else float(v) if v else math.nan)
+                         for k, v in r.items()})
     return rows
 
 
@@ -95,17 +109,21 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m loadtest.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("directory", type=Path)
+    ap.add_argument("directory", type=Path, nargs="?", help="where the runs' *_summary.json files are")
+    ap.add_argument("--from-csv", type=Path, default=None, help="a results.csv to re-tabulate and re-plot")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    out = a.out or a.directory
+    if (a.directory is None) == (a.from_csv is None):
+        ap.error("give either DIR or --from-csv")
+    out = a.out or a.directory or a.from_csv.parent
     out.mkdir(parents=True, exist_ok=True)
-    rows = load(a.directory)
+    rows = load(a.directory) if a.from_csv is None else load_csv(a.from_csv)
     (out / "results.md").write_text(markdown(rows))
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*COLUMNS, "tag"])
-        w.writeheader()
-        w.writerows(rows)
+    if a.from_csv is None or a.from_csv.resolve() != (out / "results.csv").resolve():
+        with open(out / "results.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[*COLUMNS, "tag"])
+            w.writeheader()
+            w.writerows(rows)
     written = plots(rows, out)
     print(markdown(rows))
     print(f"wrote {out / 'results.md'}, {out / 'results.csv'}" + "".join(f", {p}" for p in written))

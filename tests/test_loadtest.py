@@ -53,6 +53,16 @@ def test_smoke_every_user_zero_failures(server, tmp_path):
     assert (tmp_path / "t_memory.csv").read_text().startswith("time_s,source,metric,value")
     assert "throughput:" in out and "failures: 0 of" in out
 
+    # the run's summary -> table and plots; the table alone -> the same table and plots again
+    from loadtest import report
+
+    report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
+    table = (tmp_path / "rep" / "results.md").read_text()
+    assert "| small | st+json+oip+grpc |" in table and (tmp_path / "rep" / "small_throughput.png").stat().st_size
+    report.main(["--from-csv", str(tmp_path / "rep" / "results.csv"), "--out", str(tmp_path / "again")])
+    assert (tmp_path / "again" / "results.md").read_text() == table
+    assert (tmp_path / "again" / "small_p99.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 
 def test_refused_requests_are_failures(server, tmp_path):
     rc, summary, out = loadtest(server, tmp_path, "--users", "2", "--run-time", "2s",
