@@ -47,3 +47,27 @@ def test_bad_option_values_are_a_usage_error(tmp_path):
         log = server.log()
         assert "--max-queue-size: Input should be greater than 0" in log
         assert "--memory-fraction" in log and "Traceback" not in log
+
+
+def test_glibc_keeps_big_freed_blocks(tmp_path):
+    """The server asks glibc to reuse big freed blocks (request bodies) instead of unmapping them;
+    a 24 MiB body then goes through, twice, with the right answer."""
+    import platform
+
+    import torch
+    from safetensors.torch import load, save
+
+    from service.server import reuse_freed_memory
+
+    if platform.libc_ver()[0] == "glibc":
+        assert reuse_freed_memory(64 << 20) is True
+    q = torch.randn(1, 2, 1, 64)
+    k = torch.randn(1, 2, 49152, 64)  # k and v: 24 MiB in float32
+    v = torch.full_like(k, 0.5)  # o = 0.5 whatever the weights
+    body = save({"q": q, "k": k, "v": v})
+    with run_server(tmp_path) as srv:
+        for _ in range(2):
+            r = httpx.post(srv.url + "/attention", content=body, timeout=120,
+                           headers={"content-type": "application/x-safetensors"})
+            assert r.status_code == 200, r.text
+            assert torch.allclose(load(r.content)["o"], torch.full((1, 2, 1, 64), 0.5))
