@@ -39,13 +39,11 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_refusal(spec: AttnSpec | _SpecView) -> str | None:
-    """Why the Triton kernels cannot run for ``spec``, or None when they can."""
-    if spec.device.type == "cuda":
+def triton_refusal(device_type: str, interpret: bool) -> str | None:
+    """Why the Triton kernels cannot run on ``device_type``, or None when they can."""
+    if device_type == "cuda" or (device_type == "cpu" and interpret):
         return None
-    if spec.device.type == "cpu" and triton_interpret():
-        return None
-    return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU); inputs are on {spec.device}"
+    return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU); inputs are on {device_type}"
 
 
 def _load(name: str) -> Forward:
@@ -75,18 +73,10 @@ class Choice:
     refused: dict[str, str]  # kernel name -> why it was not chosen
 
 
-@dataclass(frozen=True)
-class _SpecView:
-    """The part of an ``AttnSpec`` that the choice reads."""
-
-    device: torch.device
-    dtype: torch.dtype
-
-
-def _auto(spec: AttnSpec | _SpecView) -> tuple[str, dict[str, str]]:
+def _auto(device_type: str, dtype: torch.dtype, interpret: bool) -> tuple[str, dict[str, str]]:
     refused = {"reference": "materialises the Nq x Nk score matrix (O(N^2) memory)"}
-    t_refusal = triton_refusal(spec)
-    if t_refusal is None and spec.device.type == "cpu" and spec.dtype == torch.bfloat16:
+    t_refusal = triton_refusal(device_type, interpret)
+    if t_refusal is None and device_type == "cpu" and dtype == torch.bfloat16:
         t_refusal = "bfloat16 is computed wrongly by the Triton interpreter"
     if t_refusal is not None:
         refused["flash"] = refused["flash_v1"] = t_refusal
@@ -105,18 +95,16 @@ def choose(spec: AttnSpec, kernel: str = "auto") -> Choice:
 
 @functools.cache
 def _choose(device_type: str, dtype: torch.dtype, kernel: str, interpret: bool) -> Choice:
-    spec = _SpecView(torch.device(device_type), dtype)
     if kernel not in KERNELS:
         raise KernelUnavailableError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     if kernel == "reference":
         return Choice("reference", _load("reference"), {})
     if kernel in ("flash", "flash_v1"):
-        refusal = triton_refusal(spec)
+        refusal = triton_refusal(device_type, interpret)
         if refusal:
             raise KernelUnavailableError(f"kernel {kernel!r} cannot run: {refusal}")
         return Choice(kernel, _load(kernel), {})
-    name, refused = _auto(spec)
-    log.info("attention kernel for %s %s: %s (refused: %s)", spec.device.type,
-                 str(spec.dtype).replace("torch.", ""), name,
-                 "; ".join(f"{k}: {v}" for k, v in refused.items()) or "none")
+    name, refused = _auto(device_type, dtype, interpret)
+    log.info("attention kernel for %s %s: %s (refused: %s)", device_type, str(dtype).replace("torch.", ""), name,
+             "; ".join(f"{k}: {v}" for k, v in refused.items()) or "none")
     return Choice(name, _load(name), refused)

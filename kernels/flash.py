@@ -199,9 +199,15 @@ def plan(b: int, hq: int, hkv: int, n_q: int, n_k: int, device: torch.device,
             num_splits = 1
         else:
             num_splits = min(triton.cdiv(target, programs), n_k // SPLIT_KEY_QUANTUM, 64)
+    return (pack, *split_keys(n_k, num_splits))
+
+
+def split_keys(n_k: int, num_splits: int) -> tuple[int, int]:
+    """(splits, keys_per_split) for about ``num_splits`` slices of n_k keys: whole multiples of
+    SPLIT_KEY_QUANTUM keys each, 1 to 64 slices, none empty."""
     num_splits = max(1, min(num_splits, triton.cdiv(n_k, SPLIT_KEY_QUANTUM), 64))
     kps = triton.cdiv(triton.cdiv(n_k, num_splits), SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
-    return pack, triton.cdiv(n_k, kps), kps
+    return triton.cdiv(n_k, kps), kps
 
 
 def flash_forward(

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from . import _flash_v1_kernels as kern
-from .flash import SPLIT_KEY_QUANTUM, _num_sms, block_d, combine, kv_length_arg, launch
+from .flash import SPLIT_KEY_QUANTUM, _num_sms, block_d, combine, kv_length_arg, launch, split_keys
 
 MAX_SPLITS = 8
 
@@ -29,9 +29,7 @@ def _splits(b: int, hq: int, n_q: int, n_k: int, d: int, device: torch.device,
     if num_splits is None:
         want = triton.cdiv(2 * _num_sms(device), hq)
         num_splits = max(1, min(want, n_k // (2 * SPLIT_KEY_QUANTUM), MAX_SPLITS))
-    num_splits = max(1, min(num_splits, triton.cdiv(n_k, SPLIT_KEY_QUANTUM), 64))
-    kps = triton.cdiv(triton.cdiv(n_k, num_splits), SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
-    return triton.cdiv(n_k, kps), kps
+    return split_keys(n_k, num_splits)
 
 
 def flash_v1_forward(

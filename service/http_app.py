@@ -434,7 +434,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
                 body, mtype, request.query_params, request_id=request_id, deadline=deadline, arrived=arrived
             ),
         )
-        result = await wire.with_deadline(lambda: engine.attend(req), deadline)
+        result = await engine.attend(req)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await wire.offload(big, wire.encode_result, tensors, encoding)
         return Response(content, media_type=media)
@@ -465,7 +465,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
                 arrived=arrived,
             ),
         )
-        result = await wire.with_deadline(lambda: engine.call_layer(req), deadline)
+        result = await engine.call_layer(req)
         content, media = await wire.offload(big, wire.encode_result, {"y": result.y}, encoding)
         return Response(content, media_type=media)
 

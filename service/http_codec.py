@@ -17,8 +17,7 @@ import base64
 import binascii
 import math
 import struct
-import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -28,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 import kernels
 
 from .codec import DTYPE_NAMES, dtype_from_name, tensor_from_bytes, tensor_to_bytes
-from .errors import BadRequest, DeadlineExceeded, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from .errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from .settings import Settings
 from .types import LAYOUTS, AttentionRequest, LayerRequest
 
@@ -124,15 +123,6 @@ def deadline_from(header: str | None, settings: Settings, arrived: float) -> flo
                 f"X-Request-Timeout-Ms must be a non-negative number of milliseconds, got {header!r}"
             )
     return arrived + ms / 1000.0
-
-
-async def with_deadline(call: Callable[[], Awaitable[T]], deadline: float) -> T:
-    """Await an engine call whose request carries ``deadline``: the engine answers
-    ``DeadlineExceeded`` (504) once it passes, queued or launched (one timer for all requests, see
-    ``service.batcher``), so no timer per request here."""
-    if deadline <= time.monotonic():
-        raise DeadlineExceeded("the request deadline passed before the request was queued")
-    return await call()
 
 
 async def offload(big: bool, fn: Callable[..., T], *args: Any) -> T:

@@ -365,14 +365,14 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
             req, wanted = await wire.offload(
                 big, lambda: decode_attention(doc, binary, request_id=rid, deadline=deadline, arrived=arrived)
             )
-            result = await wire.with_deadline(lambda: engine.attend(req), deadline)
+            result = await engine.attend(req)
             outputs = {"o": result.o, "lse": result.lse}
         else:
             req, wanted = await wire.offload(
                 big,
                 lambda: decode_layer(model, doc, binary, request_id=rid, deadline=deadline, arrived=arrived),
             )
-            result = await wire.with_deadline(lambda: engine.call_layer(req), deadline)
+            result = await engine.call_layer(req)
             outputs = {"y": result.y}
         content, headers = await wire.offload(big, encode_response, model, doc, outputs, wanted)
         return Response(content, headers=headers)

@@ -27,6 +27,17 @@ if not HAS_CUDA:
     import kernels.flash_v1  # noqa: E402, F401
 
 
+def random_qkv(shape, dtype=torch.float32, seed=0):
+    """q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D) from shape (B, Hq, Hkv, Nq, Nk, D): normal values,
+    drawn in that order from one seeded generator, then cast to ``dtype``."""
+    b, hq, hkv, nq, nk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    return q, k, v
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -20,6 +20,7 @@ from service import errors
 from service.engine import Engine
 from service.settings import load_settings
 from service.types import AttentionRequest, LayerRequest
+from tests.conftest import random_qkv
 
 # (B, Hq, Hkv, Nq, Nk, D): awkward sizes, each for a reason.
 SHAPES = [
@@ -49,12 +50,10 @@ async def started_engine(*argv: str, **overrides):
 
 
 def make_request(shape, options, *, seed: int, dtype=torch.float32, kernel="reference") -> AttentionRequest:
-    b, hq, hkv, nq, nk, d = shape
+    b, nk = shape[0], shape[4]
     causal, with_lengths, layout, return_lse, scale = options
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    q, k, v = random_qkv(shape, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1_000_003)  # the lengths: a stream of their own
     kv_lengths = torch.randint(0, nk + 1, (b,), generator=g, dtype=torch.int32) if with_lengths else None
     if layout == "bnhd":  # the transports hand the engine (B, H, N, D) views of (B, N, H, D) bytes
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))

@@ -18,7 +18,7 @@ import grpc
 import httpx
 import pytest
 import torch
-from conftest import ROOT, free_port, run_server
+from conftest import ROOT, free_port, random_qkv, run_server
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -51,12 +51,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 def make_qkv(shape, dtype, seed):
-    b, hq, hkv, nq, nk, d = shape
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    return q, k, v
+    return random_qkv(shape, dtype, seed)
 
 
 def assert_close_to_reference(o, q, k, v, *, causal=False, scale=None, kv_lengths=None, lse=None):

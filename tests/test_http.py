@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from service.client import AttentionClient, AttentionServiceError
-from tests.conftest import FAST, run_server
+from tests.conftest import FAST, random_qkv, run_server
 from tests.layer_fixtures import block
 from tests.reference64 import attention64
 
@@ -66,12 +66,7 @@ def http(server):
         yield c
 
 
-def make(shape, dtype=torch.float32, seed=0):
-    b, hq, hkv, nq, nk, d = shape
-    g = torch.Generator().manual_seed(seed)
-    return tuple(
-        torch.randn(*s, generator=g).to(dtype) for s in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d))
-    )
+make = random_qkv
 
 
 def plain_pytorch(q, k, v, *, causal=False, scale=None, kv_lengths=None):
@@ -568,6 +563,7 @@ def test_deadline_504_and_request_id(server, http):
     assert_error(r, 504, "deadline_exceeded")
     assert r.headers["x-request-id"] == "dl-1"
     assert time.monotonic() - t0 < 5
+    assert_error(post_st(http, {"q": Q, "k": K, "v": V}, headers={"X-Request-Timeout-Ms": "0"}), 504)
     assert_error(post_st(http, {"q": Q, "k": K, "v": V}, headers={"X-Request-Timeout-Ms": "soon"}), 400)
     assert http.get("/healthz").headers["x-request-id"]  # generated when the client sends none
     still_serving(server.url)

@@ -12,6 +12,7 @@ import torch
 
 import kernels
 from kernels.reference import blockwise_attention, reference_attention
+from tests.conftest import random_qkv
 from tests.reference64 import attention64
 
 # (B, Hq, Hkv, Nq, Nk, D): why each is awkward
@@ -26,13 +27,7 @@ SHAPES = [
 ]
 
 
-def _inputs(shape, dtype=torch.float32, seed=0):
-    b, hq, hkv, nq, nk, d = shape
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    return q, k, v
+_inputs = random_qkv
 
 
 def _lengths(shape, seed=0):
