@@ -102,9 +102,80 @@ def part_request(shape: tuple[int, ...], iters: int) -> None:
             ts.append(time.perf_counter() - t0)
         print(f"  engine.attend, one submitter   {1e3 * statistics.median(ts):8.3f} ms "
               f"(p90 {1e3 * sorted(ts)[int(0.9 * len(ts))]:.3f})")
+        await _trace_engine(eng, lambda: AttentionRequest(q=qh, k=kh, v=vh), iters)
         await eng.drain()
 
     asyncio.run(engine_part())
+
+
+async def _trace_engine(eng: Engine, make, iters: int) -> None:
+    """Median gap between consecutive steps of one lone request through ``Engine.attend``: each
+    step is stamped by wrapping the method that starts it (a few µs of wrapping cost included)."""
+    import service.batcher as batcher_mod
+    import service.worker as worker_mod
+
+    stamps: dict[str, float] = {}
+
+    def stamp(name):
+        stamps.setdefault(name, time.perf_counter())
+
+    def wrap_sync(owner, attr, before, after=None):
+        fn = getattr(owner, attr)
+
+        def wrapped(*a, **kw):
+            stamp(before)
+            try:
+                return fn(*a, **kw)
+            finally:
+                if after:
+                    stamp(after)
+
+        setattr(owner, attr, wrapped)
+        return fn
+
+    def wrap_async(owner, attr, before, after):
+        fn = getattr(owner, attr)
+
+        async def wrapped(*a, **kw):
+            stamp(before)
+            try:
+                return await fn(*a, **kw)
+            finally:
+                stamp(after)
+
+        setattr(owner, attr, wrapped)
+        return fn
+
+    w = eng.workers[0]
+    saved = [
+        (eng.batcher, "_dispatch", wrap_sync(eng.batcher, "_dispatch", "3 dispatcher runs")),
+        (eng.batcher, "_run_batch", wrap_async(eng.batcher, "_run_batch", "4 batch task starts", "10 batch task ends")),
+        (w, "run", wrap_async(w, "run", "5 Worker.run starts", "9 Worker.run resumes (loop woken)")),
+        (w, "_launch_all", wrap_sync(w, "_launch_all", "6 launcher thread starts", "7 launched (enqueued)")),
+        (worker_mod, "_finish_all", wrap_sync(worker_mod, "_finish_all", "8a finisher thread starts",
+                                               "8b device done, answers split")),
+        (eng.batcher, "submit", wrap_async(eng.batcher, "submit", "2 Batcher.submit", "11 submit returns")),
+    ]
+    rows: dict[str, list[float]] = {}
+    try:
+        for _ in range(iters):
+            stamps.clear()
+            stamps["1 Engine.attend called"] = time.perf_counter()
+            await eng.attend(make())
+            stamps["12 attend returned"] = time.perf_counter()
+            order = sorted(stamps.items(), key=lambda kv: kv[1])
+            for (a, ta), (b_, tb) in zip(order, order[1:]):
+                rows.setdefault(f"{a} -> {b_}", []).append(tb - ta)
+    finally:
+        for owner, attr, fn in saved:
+            if owner is worker_mod:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr) if attr in vars(owner) else None
+    print("  one lone request, step by step (median µs; steps in time order):")
+    for name, xs in sorted(rows.items(), key=lambda kv: -len(kv[1])):
+        if len(xs) >= iters // 2:
+            print(f"    {1e6 * statistics.median(xs):8.1f}  {name}")
 
 
 SHORT = [(torch.float16, 1, 32, 1024, 128, False), (torch.float16, 1, 32, 1024, 128, True),

@@ -113,7 +113,6 @@ class Batcher:
         self._queued += 1
         self._held += 1
         self._idle.clear()
-        self._wake.set()
         entry = None
         deadline = pending.request.deadline
         if deadline is not None:
@@ -121,6 +120,10 @@ class Batcher:
             heapq.heappush(self._deadlines, entry)
             if self._sweep_at is None or deadline < self._sweep_at:
                 self._arm_sweep(deadline)
+        if any(w.inflight == 0 for w in self.workers):
+            self._dispatch_now()  # an idle worker takes it here, a loop iteration sooner
+        if self._queues:
+            self._wake.set()  # the dispatcher times what is left
         try:
             return await pending.future
         finally:
@@ -208,19 +211,23 @@ class Batcher:
     async def _dispatch_loop(self) -> None:
         while True:
             self._wake.clear()
-            try:
-                timeout = self._dispatch()
-            except Exception:  # a bug here must not stop every later request: log, fail the queue
-                log.exception("the batcher's dispatch failed; failing the queued requests")
-                for pendings in self._queues.values():
-                    for p in pendings:
-                        p.resolve(ServiceError("internal error in the batcher; the request was not served"))
-                timeout = None
+            timeout = self._dispatch_now()
             if timeout is None:
                 await self._wake.wait()
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _dispatch_now(self) -> float | None:
+        """``_dispatch``, where a bug fails the queued requests instead of stopping every later one."""
+        try:
+            return self._dispatch()
+        except Exception:
+            log.exception("the batcher's dispatch failed; failing the queued requests")
+            for pendings in self._queues.values():
+                for p in pendings:
+                    p.resolve(ServiceError("internal error in the batcher; the request was not served"))
+            return None
 
     def _dispatch(self) -> float | None:
         """Hand out every batch the policy allows now; return how long until the next may close."""
@@ -297,15 +304,20 @@ class Batcher:
             self.metrics.queue_duration_of[p.kind].observe(now - p.enqueued)
         worker.inflight += 1
         worker.inflight_tokens += tokens
-        task = asyncio.create_task(self._run_batch(worker, batch, tokens))
+        try:  # the worker starts now; the task below only awaits its answers
+            answers = worker.submit([p.request for p in batch])
+        except Exception as exc:  # noqa: BLE001 - e.g. a worker already shut down: this batch fails
+            answers = asyncio.get_running_loop().create_future()
+            answers.set_exception(exc)
+        task = asyncio.create_task(self._run_batch(worker, batch, tokens, answers))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run_batch(self, worker: Worker, batch: list[Pending], tokens: int) -> None:
+    async def _run_batch(self, worker: Worker, batch: list[Pending], tokens: int, answers: asyncio.Future) -> None:
         """The batch step: exactly one answer per request, errors only to the requests they concern."""
         t0 = time.monotonic()
         try:
-            outcomes = await worker.run([p.request for p in batch])
+            outcomes = await answers
             if len(outcomes) != len(batch):
                 raise RuntimeError(
                     f"worker {worker.name} gave {len(outcomes)} answers for {len(batch)} requests"

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -44,7 +46,9 @@ log = logging.getLogger("attnserve.worker")
 # run in parallel.
 _LAUNCH_LOCK = threading.Lock()
 
-DIRECT_COPY_MAX_BYTES = 1 << 20  # a lone input up to this size goes to the GPU without pinned staging
+SHARED_STAGING_MAX_BYTES = 1 << 20  # groups up to this size share one pinned buffer and one transfer
+STAGING_ALIGN = 256  # each group's offset in a shared buffer (kernels want 16-byte aligned inputs)
+SERIAL_COPY_MAX_BYTES = 4 << 20  # parts up to this size are staged by one memcpy each
 
 Outcome = AttentionResult | LayerResult | ServiceError
 Request = AttentionRequest | LayerRequest
@@ -204,54 +208,57 @@ class Worker:
 
     # ---- running a batch ----------------------------------------------------------------------
 
-    async def run(self, requests: Sequence[Request]) -> list[Outcome]:
-        """One outcome per request, in order: a result or the ServiceError that request gets.
+    def submit(self, requests: Sequence[Request]) -> asyncio.Future[list[Outcome]]:
+        """Start one launch of ``requests`` now; its future (on the running loop) gives one outcome
+        per request, in order: a result or the ServiceError that request gets.
 
         Two stages, each in its own thread, so that consecutive batches overlap: the launcher
         stages the inputs and enqueues the copies and the kernel (on a GPU nothing waits there);
-        the finisher waits for the device and splits the answers.
+        the finisher waits for the device and splits the answers. The launcher hands its parts to
+        the finisher itself, so the event loop wakes once per batch, when the answers are ready.
+        Called on the loop, synchronously: the launcher starts while the caller goes on.
         """
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        if self._cuda:
-            # the launcher hands its parts to the finisher itself: the event loop wakes once per
-            # batch (when the answers are ready), not also between the two stages
-            answered = loop.create_future()
+        answered: asyncio.Future[list[Outcome]] = loop.create_future()
+        requests = list(requests)
 
-            def settle(outcomes=None, exc=None) -> None:
-                if answered.done():  # the awaiting coroutine was cancelled
-                    return
-                if exc is not None:
-                    answered.set_exception(exc)
-                else:
-                    answered.set_result(outcomes)
+        def settle(outcomes=None, exc=None) -> None:
+            self._compute_duration.observe(time.perf_counter() - t0)
+            self._batch_size.observe(len(requests))
+            self._exec_count.inc()
+            if answered.done():  # the awaiting coroutine was cancelled
+                return
+            if exc is not None:
+                answered.set_exception(exc)
+            else:
+                answered.set_result(outcomes)
 
-            def finish(parts: list[_Part]) -> None:
-                try:
-                    outcomes = _finish_all(parts)
-                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                    loop.call_soon_threadsafe(settle, None, exc)
-                else:
-                    loop.call_soon_threadsafe(settle, outcomes)
+        def finish(parts: list[_Part]) -> None:
+            try:
+                outcomes = _finish_all(parts)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, outcomes)
 
-            def launch() -> None:
-                try:
-                    parts = self._launch_all(list(requests))
-                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                    loop.call_soon_threadsafe(settle, None, exc)
-                else:
+        def launch() -> None:
+            try:
+                parts = self._launch_all(requests)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                if self._cuda:
                     self._finisher.submit(finish, parts)
+                else:  # the CPU computed in the launcher: nothing is left to wait for
+                    finish(parts)
 
-            self._launcher.submit(launch)
-            outcomes = await answered
-        else:  # the CPU computes in the launcher: nothing is left to wait for, so one hop
-            outcomes = await loop.run_in_executor(
-                self._launcher, lambda: _finish_all(self._launch_all(requests))
-            )
-        self._compute_duration.observe(time.perf_counter() - t0)
-        self._batch_size.observe(len(requests))
-        self._exec_count.inc()
-        return outcomes
+        self._launcher.submit(launch)
+        return answered
+
+    async def run(self, requests: Sequence[Request]) -> list[Outcome]:
+        """``submit`` and await its outcomes."""
+        return await self.submit(requests)
 
     def _launch_all(self, requests: list[Request]) -> list[_Part]:
         """Launcher thread: one ``_Part`` per run of consecutive requests, covering all in order."""
@@ -327,29 +334,35 @@ class Worker:
         """One tensor per group of parts: the parts concatenated along dim 0, as ``dtype``, on the
         device (None stays None). Request bytes are read, never written.
 
-        On a GPU every copy goes on the copy-in stream (entered once: entering costs ~10-20 us) and
-        the compute stream then waits for them. A small lone part of the right dtype is copied
-        straight from its bytes (pinned staging costs ~0.1 ms per small tensor); big or several
-        parts are concatenated into pinned memory (one parallel host copy) and sent in one DMA
-        transfer, which beats the driver's own staging of pageable memory for big tensors (H200:
-        a 1x32x8192x128 bf16 request ran at 17% of the kernel's rate with direct copies, 21-23% with
-        pinned staging). On the CPU a lone part is used as it is.
+        On a GPU the parts are copied into pinned host memory and sent by DMA on the copy-in stream
+        (entered once: entering costs ~10-20 us); the compute stream then waits for them. Small
+        groups share one pinned buffer and one transfer (each transfer and each pinned tensor costs
+        ~10 us of host time, a pageable copy ~15-25 us); a big group gets its own, so that its
+        transfer runs while the next group is staged (H200: a 1x32x8192x128 bf16 request ran at
+        17% of the kernel's rate with pageable copies, 21-23% with pinned staging). On the CPU a
+        lone part is used as it is.
         """
         if not self._cuda:
             return [None if g is None else _concat(*g, pin=False) for g in groups]
-        out: list[torch.Tensor | None] = []
+        out: list[torch.Tensor | None] = [None] * len(groups)
+        shared: list[tuple[int, int, tuple[Sequence[torch.Tensor], torch.dtype]]] = []  # (index, offset, group)
+        shared_bytes = 0
         with torch.cuda.stream(self._copy_in_stream):
-            for g in groups:
+            for i, g in enumerate(groups):
                 if g is None:
-                    out.append(None)
                     continue
-                parts, dtype = g
-                lone = len(parts) == 1 and parts[0].dtype == dtype
-                if lone and parts[0].nbytes <= DIRECT_COPY_MAX_BYTES:
-                    src = parts[0]
+                nbytes = _stacked_nbytes(*g)
+                if nbytes > SHARED_STAGING_MAX_BYTES:
+                    out[i] = _concat(*g, pin=True).to(self.device, non_blocking=True)
                 else:
-                    src = _concat(parts, dtype, pin=True)
-                out.append(src.to(self.device, non_blocking=True))
+                    shared.append((i, shared_bytes, g))
+                    shared_bytes += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+            if shared:
+                host = torch.empty(shared_bytes, dtype=torch.uint8, pin_memory=True)
+                views = [(i, off, _fill_bytes(host, off, *g)) for i, off, g in shared]
+                dev = host.to(self.device, non_blocking=True)
+                for i, off, v in views:  # the same typed view of the device bytes
+                    out[i] = dev[off : off + v.nbytes].view(v.dtype).view(v.shape)
         self._compute_stream.wait_stream(self._copy_in_stream)
         return out
 
@@ -443,21 +456,50 @@ class Worker:
         self._finisher.shutdown(wait=True)
 
 
+def _stacked_nbytes(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> int:
+    return sum(p.shape[0] for p in parts) * math.prod(parts[0].shape[1:]) * dtype.itemsize
+
+
+def _fill_bytes(buf: torch.Tensor, offset: int, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """parts concatenated along dim 0, as ``dtype``, written into the uint8 ``buf`` at ``offset``;
+    returns that typed view."""
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    view = buf[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    _copy_parts(view, parts)
+    return view
+
+
 def _concat(parts: Sequence[torch.Tensor], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """parts concatenated along dim 0 as ``dtype``, in a new buffer (pinned host memory if
     ``pin``); a lone unpinned part of the right dtype is returned as it is."""
     if not pin and len(parts) == 1 and parts[0].dtype == dtype:
         return parts[0]
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
-    if len(parts) > 1 and all(p.dtype == dtype for p in parts):
-        torch.cat(list(parts), dim=0, out=buf)  # one op (parallel for big inputs) for many parts
-    else:
-        b0 = 0
-        for p in parts:
-            buf[b0 : b0 + p.shape[0]].copy_(p)  # a converting copy when dtypes differ
-            b0 += p.shape[0]
+    buf = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, pin_memory=pin)
+    _copy_parts(buf, parts)
     return buf
+
+
+def _copy_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """dst[b0:b1] = part, for consecutive parts along dim 0 (dst: contiguous host memory).
+
+    A small contiguous part of dst's dtype is one ``memmove`` (ctypes releases the GIL for it):
+    ATen's copy forks and joins its OpenMP team per part, which made a 64-part batch's staging
+    cost 2.7 ms on a 32-core H200 host (3 GB/s). Big parts keep ATen's parallel copy."""
+    b0 = 0
+    base = dst.data_ptr()
+    row = math.prod(dst.shape[1:]) * dst.element_size()
+    for p in parts:
+        b1 = b0 + p.shape[0]
+        if (
+            p.dtype == dst.dtype
+            and p.device.type == "cpu"
+            and p.nbytes <= SERIAL_COPY_MAX_BYTES
+            and p.is_contiguous()
+        ):
+            ctypes.memmove(base + b0 * row, p.data_ptr(), p.nbytes)
+        else:
+            dst[b0:b1].copy_(p)  # a converting copy when dtypes differ
+        b0 = b1
 
 
 def _describe(r: Request) -> str:

@@ -218,3 +218,47 @@ def test_sigterm_drains_requests_in_flight(tmp_path):
         assert torch.equal(o, kernels.attention(q, k, v, kernel="reference"))
         answered += 1
     assert answered >= held, "a request the server held when SIGTERM came was not answered"
+
+
+@pytest.mark.gpu
+def test_gpu_staging_of_misaligned_decode_batches():
+    """Decode-like requests batched on a GPU: q small (staged in a buffer shared with kv_lengths),
+    k/v over 1 MiB (each staged in its own buffer), every input a misaligned view of a bytes
+    buffer, kv_lengths int64 (converted): each answer equals the kernel run on its own inputs."""
+
+    def view(buf: bytearray, offset: int, shape, dtype) -> torch.Tensor:
+        count = 1
+        for s in shape:
+            count *= s
+        return torch.frombuffer(buf, dtype=dtype, offset=offset, count=count).view(shape)
+
+    def request(seed: int) -> AttentionRequest:
+        g = torch.Generator().manual_seed(seed)
+        shapes = {"q": (1, 8, 1, 128), "k": (1, 2, 4096, 128), "v": (1, 2, 4096, 128)}
+        tensors = {}
+        for name, shape in shapes.items():
+            buf = bytearray(2 + 2 * torch.Size(shape).numel())
+            t = view(buf, 2, shape, torch.float16)  # 2 bytes past a 16-byte boundary
+            t.copy_(torch.randn(shape, generator=g))
+            tensors[name] = t
+        return AttentionRequest(**tensors, kv_lengths=torch.tensor([1000 + 97 * seed]))
+
+    async def main():
+        settings = load_settings(["--device", "cuda:0", "--warmup-shapes", "", "--max-queue-delay-ms", "20"])
+        engine = Engine(settings)
+        await engine.start()
+        try:
+            reqs = [request(i) for i in range(12)]
+            results = await asyncio.gather(*(engine.attend(r) for r in reqs))
+            launches = engine.metrics.exec_count.labels("cuda:0")._value.get()
+            return reqs, results, launches
+        finally:
+            await engine.drain()
+
+    reqs, results, launches = asyncio.run(main())
+    assert launches < len(reqs), "no batch formed"
+    for req, res in zip(reqs, results, strict=True):
+        o = kernels.attention(
+            req.q.cuda(), req.k.cuda(), req.v.cuda(), kv_lengths=req.kv_lengths.to("cuda", torch.int32)
+        )
+        assert torch.equal(res.o, o.cpu())
