@@ -111,7 +111,6 @@ def part_request(shape: tuple[int, ...], iters: int) -> None:
 async def _trace_engine(eng: Engine, make, iters: int) -> None:
     """Median gap between consecutive steps of one lone request through ``Engine.attend``: each
     step is stamped by wrapping the method that starts it (a few µs of wrapping cost included)."""
-    import service.batcher as batcher_mod
     import service.worker as worker_mod
 
     stamps: dict[str, float] = {}
@@ -164,7 +163,7 @@ async def _trace_engine(eng: Engine, make, iters: int) -> None:
             await eng.attend(make())
             stamps["12 attend returned"] = time.perf_counter()
             order = sorted(stamps.items(), key=lambda kv: kv[1])
-            for (a, ta), (b_, tb) in zip(order, order[1:]):
+            for (a, ta), (b_, tb) in zip(order, order[1:], strict=False):
                 rows.setdefault(f"{a} -> {b_}", []).append(tb - ta)
     finally:
         for owner, attr, fn in saved:
