@@ -120,10 +120,11 @@ class Batcher:
             heapq.heappush(self._deadlines, entry)
             if self._sweep_at is None or deadline < self._sweep_at:
                 self._arm_sweep(deadline)
-        if any(w.inflight == 0 for w in self.workers):
-            self._dispatch_now()  # an idle worker takes it here, a loop iteration sooner
-        if self._queues:
-            self._wake.set()  # the dispatcher times what is left
+        # The dispatcher runs on the next loop iteration, not here: the requests that arrive in
+        # this one (e.g. every submitter a finished batch answered) then close as one batch. On
+        # the two-GPU host, dispatching inline gave the first arrival to an idle worker alone:
+        # 7 requests per launch instead of 32, 0.48x the one-GPU rate instead of 1.27x.
+        self._wake.set()
         try:
             return await pending.future
         finally:
