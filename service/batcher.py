@@ -77,6 +77,7 @@ class Batcher:
         self._tokens: dict[Hashable, int] = {}  # key -> query tokens queued (kept, not re-summed per pass)
         self._queued = 0
         self._held = 0  # queued + running
+        self.activity = 0  # requests submitted plus requests finished, ever: moves while busy
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
@@ -112,6 +113,7 @@ class Batcher:
         self._tokens[pending.key] = self._tokens.get(pending.key, 0) + pending.tokens
         self._queued += 1
         self._held += 1
+        self.activity += 1
         self._idle.clear()
         entry = None
         deadline = pending.request.deadline
@@ -185,6 +187,7 @@ class Batcher:
             return
         pending.released = True
         self._held -= 1
+        self.activity += 1
         if self._held == 0:
             self._idle.set()
 

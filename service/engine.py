@@ -9,6 +9,8 @@ Interface (stable; transports rely on it):
     await engine.drain()            # stop taking work (503), report not-ready, finish what is held
     engine.metrics_registry         # prometheus_client CollectorRegistry for GET /metrics
     engine.devices -> list[str]     # e.g. ["cuda:0", "cuda:1"] or ["cpu"]
+    engine.requests_held -> int     # queued or running now
+    engine.activity -> int          # moves whenever a request is submitted or finishes
 Raises only ``service.errors.ServiceError`` subclasses.
 
 Deadlines: ``req.deadline`` is a ``time.monotonic()`` instant set by the transport (from
@@ -93,6 +95,16 @@ class Engine:
             self.settings.max_batch_tokens,
             self.settings.max_queue_delay_ms,
         )
+
+    @property
+    def requests_held(self) -> int:
+        """Requests queued or running now."""
+        return self.batcher.held if self.batcher is not None else 0
+
+    @property
+    def activity(self) -> int:
+        """A count that moves whenever a request is submitted or finishes (for idleness checks)."""
+        return self.batcher.activity if self.batcher is not None else 0
 
     @property
     def ready(self) -> bool:

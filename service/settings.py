@@ -83,6 +83,11 @@ class Settings(BaseSettings):
         description="autotune kernel block sizes for shapes first seen while serving (each new shape then "
         "blocks its worker for seconds); off: shapes outside --warmup-shapes run a default config",
     )
+    memory_trim_idle_s: float = Field(
+        10.0, ge=0,
+        description="after this many seconds without requests, hand the memory kept from big request "
+        "bodies back to the OS (kept while requests come, for reuse: see --max-body-mb); 0 keeps it",
+    )
     gil_switch_interval_ms: float = Field(
         0.5, gt=0,
         description="Python's thread switch interval: the event loop and the worker threads hand the GIL "

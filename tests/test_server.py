@@ -6,7 +6,7 @@ import socket
 
 import httpx
 
-from tests.conftest import run_server
+from tests.conftest import FAST, run_server
 
 
 def test_broken_layer_stops_startup_with_a_clear_message(tmp_path):
@@ -71,3 +71,40 @@ def test_glibc_keeps_big_freed_blocks(tmp_path):
                            headers={"content-type": "application/x-safetensors"})
             assert r.status_code == 200, r.text
             assert torch.allclose(load(r.content)["o"], torch.full((1, 2, 1, 64), 0.5))
+
+
+def test_idle_server_gives_big_freed_blocks_back(tmp_path):
+    """Freed request bodies are kept for reuse while requests come (above), and handed back to the
+    OS once the server has been idle for a while: its RSS falls back after a burst of big bodies."""
+    import platform
+    import time
+
+    import pytest
+    import torch
+    from safetensors.torch import save
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+
+    def rss(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+    q = torch.randn(1, 1, 1, 16)
+    k = torch.randn(1, 1, 1 << 19, 16)  # k and v: 32 MiB each in float32
+    body = save({"q": q, "k": k, "v": k.clone()})
+    del k
+    with run_server(tmp_path, "--memory-trim-idle-s", "4", *FAST) as srv:
+        pid = srv.proc.pid
+        before = rss(pid)
+        for _ in range(2):
+            r = httpx.post(srv.url + "/attention", content=body, timeout=300,
+                           headers={"content-type": "application/x-safetensors"})
+            assert r.status_code == 200, r.text
+        kept = rss(pid) - before
+        assert kept > 48 << 20, f"the 64 MiB body was not kept for reuse ({kept >> 20} MiB)"
+        deadline = time.monotonic() + 30
+        while rss(pid) - before > 16 << 20 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        after = rss(pid) - before
+    assert after < 16 << 20, f"{kept >> 20} MiB kept after two 64 MiB bodies, still {after >> 20} MiB idle"
