@@ -28,6 +28,8 @@ PY=${PY:-python3}
 OUT=${OUT:-reports/gpu_bench}
 MODE=${1:-all}                       # all | matrix | soak
 CELL_S=${CELL_S:-8}                  # seconds per cell
+PREFILL_CELL_S=${PREFILL_CELL_S:-45} # seconds per prefill cell: a 128 MiB call takes seconds under load,
+                                     # and 10 s cells at 256 users finished no request (H200, 2026-11-30)
 USERS=${USERS:-"16 64 256"}
 MIXES=${MIXES:-"small prefill"}
 TRANSPORTS=${TRANSPORTS:-"st grpc"}
@@ -66,7 +68,7 @@ fi
   nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not found"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   "$PY" -c "import locust, grpc; print('locust', locust.__version__, '| grpcio', grpc.__version__)"
-  echo "nproc: $(nproc)"; echo "cell ${CELL_S}s, processes ${PROCESSES}, server args: ${SERVER_ARGS}"
+  echo "nproc: $(nproc)"; echo "cell ${CELL_S}s (prefill ${PREFILL_CELL_S}s), processes ${PROCESSES}, server args: ${SERVER_ARGS}"
 } >"$OUT/env.txt" 2>&1
 
 # ---------------------------------------------------------------- the server
@@ -109,9 +111,10 @@ last_summary() {  # the key lines of the last run's printed summary
 
 matrix() {  # $1: batching on|off
   for mix in $MIXES; do for t in $TRANSPORTS; do for u in $USERS; do
-    if [ $(( $(elapsed) + CELL_S + 25 )) -gt "$BUDGET_S" ]; then say "SKIPPED $mix $t u$u batching $1 (budget)"; continue; fi
-    say "cell: mix $mix, $t, $u users, batching $1"
-    loadtest --mix "$mix" --user-class "$t" --users "$u" --spawn-rate "$u" --run-time "${CELL_S}s" \
+    local cell=$CELL_S; [ "$mix" = prefill ] && cell=$PREFILL_CELL_S
+    if [ $(( $(elapsed) + cell + 25 )) -gt "$BUDGET_S" ]; then say "SKIPPED $mix $t u$u batching $1 (budget)"; continue; fi
+    say "cell: mix $mix, $t, $u users, batching $1, ${cell}s"
+    loadtest --mix "$mix" --user-class "$t" --users "$u" --spawn-rate "$u" --run-time "${cell}s" \
       --tag "${mix}_${t}_batching-$1_u$u" --label "batching=$1"
     last_summary
   done; done; done
@@ -122,12 +125,19 @@ soak() {
   [ "$s" -gt "$left" ] && s=$left
   if [ "$s" -lt 20 ]; then say "SKIPPED soak (budget)"; return; fi
   say "soak: mix $SOAK_MIX, st+grpc+oip, $SOAK_USERS users, ${s}s, memory every ${SAMPLE_S}s"
+  say "server RSS before the load: $(rss_mib) MiB"
   loadtest --mix "$SOAK_MIX" --user-class st,grpc,oip --users "$SOAK_USERS" --spawn-rate 64 --run-time "${s}s" \
     --tag "soak_${SOAK_MIX}_u${SOAK_USERS}_${s}s" --label batching=on \
     --sample-memory "$SERVER_PID" --sample-memory "http://127.0.0.1:$HTTP_PORT" --sample-memory nvidia-smi \
     --sample-interval "$SAMPLE_S"
   last_summary
+  # Under load RSS keeps the high-water mark of the bodies in flight (docs/http.md); idle for
+  # --memory-trim-idle-s (10 s by default) the server gives it back: what is left then is what grew.
+  sleep "${IDLE_S:-25}"
+  say "server RSS after ${IDLE_S:-25}s idle: $(rss_mib) MiB"
 }
+
+rss_mib() { awk '/^VmRSS/ {print int($2 / 1024)}' "/proc/$SERVER_PID/status" 2>/dev/null || echo "?"; }
 
 case "$MODE" in
   all)    start_server off; matrix off; stop_server; start_server on; matrix on; soak ;;
