@@ -148,12 +148,13 @@ async def _trace_engine(eng: Engine, make, iters: int) -> None:
     w = eng.workers[0]
     saved = [
         (eng.batcher, "_dispatch", wrap_sync(eng.batcher, "_dispatch", "3 dispatcher runs")),
-        (eng.batcher, "_run_batch", wrap_async(eng.batcher, "_run_batch", "4 batch task starts", "10 batch task ends")),
-        (w, "run", wrap_async(w, "run", "5 Worker.run starts", "9 Worker.run resumes (loop woken)")),
+        (w, "submit", wrap_sync(w, "submit", "4 Worker.submit (launch handed over)")),
+        (eng.batcher, "_run_batch", wrap_async(eng.batcher, "_run_batch", "5 batch task starts (awaits)",
+                                               "9 answers given out (loop woken)")),
         (w, "_launch_all", wrap_sync(w, "_launch_all", "6 launcher thread starts", "7 launched (enqueued)")),
         (worker_mod, "_finish_all", wrap_sync(worker_mod, "_finish_all", "8a finisher thread starts",
                                                "8b device done, answers split")),
-        (eng.batcher, "submit", wrap_async(eng.batcher, "submit", "2 Batcher.submit", "11 submit returns")),
+        (eng.batcher, "submit", wrap_async(eng.batcher, "submit", "2 Batcher.submit", "10 submit returns")),
     ]
     rows: dict[str, list[float]] = {}
     try:
@@ -161,7 +162,7 @@ async def _trace_engine(eng: Engine, make, iters: int) -> None:
             stamps.clear()
             stamps["1 Engine.attend called"] = time.perf_counter()
             await eng.attend(make())
-            stamps["12 attend returned"] = time.perf_counter()
+            stamps["11 attend returned"] = time.perf_counter()
             order = sorted(stamps.items(), key=lambda kv: kv[1])
             for (a, ta), (b_, tb) in zip(order, order[1:], strict=False):
                 rows.setdefault(f"{a} -> {b_}", []).append(tb - ta)

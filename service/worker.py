@@ -1,6 +1,6 @@
 """A worker per device: it warms the kernels, then runs batches off the event loop, in its own thread.
 
-One launch of a batch (``Worker.run``):
+One launch of a batch (``Worker.submit``):
     requests (CPU tensors, maybe read-only views of request bytes; never written into)
       -> concatenated along B into one staging tensor (pinned host memory on a GPU)
       -> copied to the device (non-blocking, on the worker's own CUDA stream)
@@ -255,10 +255,6 @@ class Worker:
 
         self._launcher.submit(launch)
         return answered
-
-    async def run(self, requests: Sequence[Request]) -> list[Outcome]:
-        """``submit`` and await its outcomes."""
-        return await self.submit(requests)
 
     def _launch_all(self, requests: list[Request]) -> list[_Part]:
         """Launcher thread: one ``_Part`` per run of consecutive requests, covering all in order."""
