@@ -427,8 +427,8 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     async def attention(request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
         body, mtype = await read(request)
-        big = len(body) > wire.OFFLOAD_BYTES
-        req, encoding = await wire.offload(  # a big body off the loop (JSON, misaligned safetensors copies)
+        big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
+        req, encoding = await wire.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
             big,
             lambda: wire.decode_attention(
                 body, mtype, request.query_params, request_id=request_id, deadline=deadline, arrived=arrived
@@ -452,8 +452,8 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     async def call_layer(name: str, request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
         body, mtype = await read(request)
-        big = len(body) > wire.OFFLOAD_BYTES
-        req, encoding = await wire.offload(  # a big body off the loop (JSON, misaligned safetensors copies)
+        big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
+        req, encoding = await wire.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
             big,
             lambda: wire.decode_layer(
                 name,

@@ -8,6 +8,7 @@ Errors here are ``{"error": "<message>"}`` (``http_app.error_response`` picks th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -355,7 +356,10 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         if request.headers.get("content-encoding", "identity").lower() != "identity":
             raise wire.UnsupportedMediaType("compressed requests are not supported; send them uncompressed")
         body = await wire.read_body(request, limit)
-        big = len(body) > wire.OFFLOAD_BYTES
+        json_bytes = len(body)  # the JSON part: all of it, unless binary tensor data follows it
+        with contextlib.suppress(TypeError, ValueError):  # a bad header: _split_body answers it
+            json_bytes = min(json_bytes, int(request.headers.get(HEADER_LENGTH)))
+        big = wire.worth_offloading(len(body), json_bytes)
         doc, binary = await wire.offload(
             big, _split_body, body, request.headers.get(HEADER_LENGTH), settings.max_json_bytes
         )
