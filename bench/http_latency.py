@@ -87,20 +87,27 @@ def _json_body(ts: dict[str, torch.Tensor], encoding: str) -> bytes:
     return orjson.dumps(doc)
 
 
-def http_times(http: http_client.HTTPConnection, body: bytes, ctype: str, iters: int) -> tuple[list[float], int]:
-    """Seconds per POST /attention (one in flight, keep-alive) and the response size.
+def http_times(
+    http: http_client.HTTPConnection, body: bytes, ctype: str, iters: int, phases: dict | None = None
+) -> tuple[list[float], int]:
+    """Seconds per POST /attention (one in flight, keep-alive) and the response size; with
+    ``phases``, each call's Server-Timing durations (ms) are appended there by phase name.
 
     The standard library's client, so that the client's own cost stays out of the server's
     number: httpx took 3.3-4.1 s for a 256 MiB call that http.client made in 0.4 s, and 0.4-1 ms
     more on a small one (loopback, 2-core box, 2026-11-30)."""
     headers = {"Content-Type": ctype}
 
+    timing = ""
+
     def post() -> bytes:
+        nonlocal timing
         http.request("POST", "/attention", body=body, headers=headers)
         r = http.getresponse()
         data = r.read()
         if r.status != 200:
             raise RuntimeError(f"POST /attention: {r.status} {data[:300]!r}")
+        timing = r.getheader("server-timing", "")
         return data
 
     size = 0
@@ -111,6 +118,10 @@ def http_times(http: http_client.HTTPConnection, body: bytes, ctype: str, iters:
         t0 = time.perf_counter()
         post()
         out.append(time.perf_counter() - t0)
+        if phases is not None:
+            for part in filter(None, timing.split(",")):
+                name, _, dur = part.strip().partition(";dur=")
+                phases.setdefault(name, []).append(float(dur))
     return out, size
 
 
@@ -151,10 +162,15 @@ def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
     http = http_client.HTTPConnection(parsed.hostname, parsed.port, timeout=600)
     try:
         st_body = st.save(small)
-        xs, _ = http_times(http, st_body, "application/x-safetensors", iters)
+        phases: dict[str, list[float]] = {}
+        xs, _ = http_times(http, st_body, "application/x-safetensors", iters, phases)
+        split = ", ".join(f"{name} {pct(ds, 50):.3f}" for name, ds in phases.items())
+        outside = 1e3 * pct(xs, 50) - sum(pct(ds, 50) for ds in phases.values())
         rows.append(
-            row("small safetensors", SMALL, "fp16", xs, k_small, note=f"{len(st_body) / 1024:.0f} KiB in")
-        )
+            row("small safetensors", SMALL, "fp16", xs, k_small,
+                note=f"{len(st_body) / 1024:.0f} KiB in; server p50 ms: {split}; "
+                f"outside the handler (uvicorn, sockets, client) ~{outside:.3f}")
+        )  # fmt: skip
         rows.append(row("small AttentionClient", SMALL, "fp16", client_times(url, small, iters), k_small))
         for enc in ("base64", "lists"):
             body = _json_body(small if enc == "base64" else {n: t.float() for n, t in small.items()}, enc)

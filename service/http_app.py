@@ -426,7 +426,9 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     )
     async def attention(request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
+        timing = wire.ServerTiming()
         body, mtype = await read(request)
+        timing.mark("read")
         big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
         req, encoding = await wire.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
             big,
@@ -434,10 +436,13 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
                 body, mtype, request.query_params, request_id=request_id, deadline=deadline, arrived=arrived
             ),
         )
+        timing.mark("decode")
         result = await engine.attend(req)
+        timing.mark("engine")
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await wire.offload(big, wire.encode_result, tensors, encoding)
-        return Response(content, media_type=media)
+        timing.mark("encode")
+        return Response(content, media_type=media, headers=timing.header())
 
     @app.get("/layers", summary="the loaded model layers")
     async def list_layers() -> dict:
@@ -451,7 +456,9 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     )
     async def call_layer(name: str, request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
+        timing = wire.ServerTiming()
         body, mtype = await read(request)
+        timing.mark("read")
         big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
         req, encoding = await wire.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
             big,
@@ -465,9 +472,12 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
                 arrived=arrived,
             ),
         )
+        timing.mark("decode")
         result = await engine.call_layer(req)
+        timing.mark("engine")
         content, media = await wire.offload(big, wire.encode_result, {"y": result.y}, encoding)
-        return Response(content, media_type=media)
+        timing.mark("encode")
+        return Response(content, media_type=media, headers=timing.header())
 
     @app.get("/healthz", summary="alive (the process answers)")
     async def healthz() -> dict:
