@@ -57,7 +57,7 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, shape: list[int], dt
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(data) != numel * itemsize:
         raise BadRequest(
             f"{name}: {len(data)} bytes do not match shape {shape} of {DTYPE_NAMES.get(dtype, dtype)} "
@@ -65,9 +65,12 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, shape: list[int], dt
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
+    view = memoryview(data)
+    if not view.readonly:  # request bodies (bytearray): no warning to silence (~5 us per tensor)
+        return torch.frombuffer(view, dtype=dtype).view(shape)
     with warnings.catch_warnings():  # read-only request bytes: the kernels never write inputs
         warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(memoryview(data), dtype=dtype)
+        t = torch.frombuffer(view, dtype=dtype)
     return t.view(shape)
 
 
