@@ -262,3 +262,27 @@ def test_gpu_staging_of_misaligned_decode_batches():
             req.q.cuda(), req.k.cuda(), req.v.cuda(), kv_lengths=req.kv_lengths.to("cuda", torch.int32)
         )
         assert torch.equal(res.o, o.cpu())
+
+
+def test_staging_concat_equals_torch_cat():
+    """The worker's staging copy (one memmove per small contiguous part, ATen's copy otherwise)
+    equals torch.cat, for a misaligned view of request bytes, a non-contiguous part, a part of
+    another dtype (converted), an empty part and one over the memmove size; inputs stay as they were."""
+    from service.worker import SERIAL_COPY_MAX_BYTES, _concat
+
+    g = torch.Generator().manual_seed(0)
+    raw = bytearray(2 + 2 * 3 * 4 * 8)
+    misaligned = torch.frombuffer(raw, dtype=torch.float16, offset=2, count=3 * 4 * 8).view(3, 4, 8)
+    misaligned.copy_(torch.randn(3, 4, 8, generator=g))
+    big_rows = SERIAL_COPY_MAX_BYTES // (4 * 8 * 2) + 1
+    parts = [
+        misaligned,
+        torch.randn(4, 2, 8, generator=g).half().transpose(0, 1),  # (2, 4, 8), not contiguous
+        torch.randn(1, 4, 8, generator=g),  # float32: converted
+        torch.empty(0, 4, 8, dtype=torch.float16),
+        torch.randn(big_rows, 4, 8, generator=g).half(),  # over the memmove limit
+    ]
+    before = [p.clone() for p in parts]
+    out = _concat(parts, torch.float16, pin=False)
+    assert torch.equal(out, torch.cat([p.to(torch.float16) for p in before]))
+    assert all(torch.equal(p, b) for p, b in zip(parts, before, strict=True))
