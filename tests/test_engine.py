@@ -276,10 +276,12 @@ def test_staging_concat_equals_torch_cat():
     misaligned.copy_(torch.randn(3, 4, 8, generator=g))
     big_rows = SERIAL_COPY_MAX_BYTES // (4 * 8 * 2) + 1
     parts = [
-        misaligned,
+        torch.randn(2, 4, 8, generator=g).half(),
+        misaligned,  # lands at row 2: memmove offsets count rows
         torch.randn(4, 2, 8, generator=g).half().transpose(0, 1),  # (2, 4, 8), not contiguous
         torch.randn(1, 4, 8, generator=g),  # float32: converted
         torch.empty(0, 4, 8, dtype=torch.float16),
+        torch.randn(1, 4, 8, generator=g).half(),
         torch.randn(big_rows, 4, 8, generator=g).half(),  # over the memmove limit
     ]
     before = [p.clone() for p in parts]
