@@ -384,7 +384,9 @@ def test_deadline_of_a_launched_request(gate):
             return late_by, engine.batcher
 
     late_by, batcher = asyncio.run(main())
-    assert 0 <= late_by < 0.15
+    # the launch is held until after the answer, so any answer proves it did not wait for the
+    # launch; the bound checks the deadline timer, loosely (a loaded CI box delays the loop)
+    assert 0 <= late_by < 0.5
     assert batcher.held == 0
     assert sum(e[2] is not None for e in batcher._deadlines) == 0 and len(batcher._deadlines) <= 130
 
