@@ -215,23 +215,19 @@ class Batcher:
     async def _dispatch_loop(self) -> None:
         while True:
             self._wake.clear()
-            timeout = self._dispatch_now()
+            try:
+                timeout = self._dispatch()
+            except Exception:  # a bug here must not stop every later request: log, fail the queue
+                log.exception("the batcher's dispatch failed; failing the queued requests")
+                for pendings in self._queues.values():
+                    for p in pendings:
+                        p.resolve(ServiceError("internal error in the batcher; the request was not served"))
+                timeout = None
             if timeout is None:
                 await self._wake.wait()
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
-
-    def _dispatch_now(self) -> float | None:
-        """``_dispatch``, where a bug fails the queued requests instead of stopping every later one."""
-        try:
-            return self._dispatch()
-        except Exception:
-            log.exception("the batcher's dispatch failed; failing the queued requests")
-            for pendings in self._queues.values():
-                for p in pendings:
-                    p.resolve(ServiceError("internal error in the batcher; the request was not served"))
-            return None
 
     def _dispatch(self) -> float | None:
         """Hand out every batch the policy allows now; return how long until the next may close."""

@@ -35,6 +35,13 @@ async def _serve_http(http: uvicorn.Server) -> bool:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator decides
+        return None
+
+
 def reuse_freed_memory(max_body_bytes: int) -> bool:
     """Let glibc keep freed blocks of up to ``max_body_bytes`` (at most 1 GiB) for reuse instead of
     unmapping them; True when it did (False: not glibc, its allocator decides).
@@ -42,15 +49,13 @@ def reuse_freed_memory(max_body_bytes: int) -> bool:
     A request body is a fresh buffer. With glibc's defaults anything over 32 MiB is mmap'd when it
     arrives and unmapped when the request ends, so every big request page-faults its whole body in
     again: on the CPU box a 256 MiB upload was read at ~0.9 GB/s that way, at 1.4-2.6 GB/s with the
-    memory reused (2026-11-30; the first big request still faults it in). The cost: up to one such
-    block of freed heap stays in the process, so its RSS keeps the high-water mark of big bodies.
+    memory reused (2026-11-30; the first big request still faults it in). The cost: while requests
+    come, the RSS keeps the high-water mark of big bodies; ``trim_heap_when_idle`` gives it back.
     """
     size = min(int(max_body_bytes), 1 << 30)
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, size) and libc.mallopt(M_TRIM_THRESHOLD, size))
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    mallopt = getattr(libc, "mallopt", None)
+    return bool(mallopt and mallopt(M_MMAP_THRESHOLD, size) and mallopt(M_TRIM_THRESHOLD, size))
 
 
 async def trim_heap_when_idle(engine: Engine, idle_s: float) -> None:
@@ -62,9 +67,8 @@ async def trim_heap_when_idle(engine: Engine, idle_s: float) -> None:
     a 10-minute soak on the H200 host ended with the RSS 848 MiB above its start (2026-11-30).
     A body still being uploaded is not seen: a trim then costs it page faults, not correctness.
     """
-    try:
-        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = getattr(_glibc(), "malloc_trim", None)
+    if malloc_trim is None:
         return
     seen = trimmed = engine.activity
     while True:

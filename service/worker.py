@@ -452,15 +452,20 @@ class Worker:
         self._finisher.shutdown(wait=True)
 
 
+def _stacked_shape(parts: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The shape of ``parts`` concatenated along dim 0."""
+    return (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+
+
 def _stacked_nbytes(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> int:
-    return sum(p.shape[0] for p in parts) * math.prod(parts[0].shape[1:]) * dtype.itemsize
+    return math.prod(_stacked_shape(parts)) * dtype.itemsize
 
 
 def _fill_bytes(buf: torch.Tensor, offset: int, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """parts concatenated along dim 0, as ``dtype``, written into the uint8 ``buf`` at ``offset``;
     returns that typed view."""
-    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    view = buf[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    shape = _stacked_shape(parts)
+    view = buf[offset : offset + _stacked_nbytes(parts, dtype)].view(dtype).view(shape)
     _copy_parts(view, parts)
     return view
 
@@ -470,7 +475,7 @@ def _concat(parts: Sequence[torch.Tensor], dtype: torch.dtype, pin: bool) -> tor
     ``pin``); a lone unpinned part of the right dtype is returned as it is."""
     if not pin and len(parts) == 1 and parts[0].dtype == dtype:
         return parts[0]
-    buf = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, pin_memory=pin)
+    buf = torch.empty(_stacked_shape(parts), dtype=dtype, pin_memory=pin)
     _copy_parts(buf, parts)
     return buf
 
