@@ -183,6 +183,86 @@ def attn_fwd(
 
 
 @triton.jit
+def attn_fwd_tma(
+    Q, K, V,                     # q (B, Hq, Nq, D); k, v (B, Hkv, Nk, D); last dim contiguous, rows 16-byte aligned
+    O,                           # out: o (B, Hq, Nq, D), last dim contiguous
+    LSE,                         # out: lse (B, Hq, Nq) fp32 natural log, last dim contiguous
+    KV_LEN,                      # int32 (B,) key lengths; unused unless HAS_KV_LEN
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    H_Q, GROUP, N_Q, N_K,
+    qk_scale,                    # scale · log2(e), > 0 (the max is taken before scaling)
+    N_Q_BUCKET, N_K_BUCKET,      # autotuning key only
+    D: tl.constexpr,             # head dim: 64 or 128 (a TMA box is a whole row)
+    HAS_KV_LEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WS: tl.constexpr,            # Triton's Hopper warp specialisation of the key loop
+):
+    """The non-causal prefill of ``attn_fwd`` for Hopper: Q, K, V and O move by TMA (tensor
+    descriptors built per (batch, head), so a block past a head's last row reads zeros instead of
+    the next head), and the full key blocks run in one loop that Triton may warp-specialise
+    (producer warps issue the copies while consumer warp groups do the GEMMs and the softmax).
+    The last, partial block is masked outside that loop."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_Q).to(tl.int64)
+    h = (pid_bh % H_Q).to(tl.int64)
+    kvh = h // GROUP
+    dtype = Q.dtype.element_ty
+    desc_q = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N_Q, D],
+                                       strides=[stride_qn, 1], block_shape=[BLOCK_M, D])
+    desc_k = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[N_K, D],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, D])
+    desc_v = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[N_K, D],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, D])
+    desc_o = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[N_Q, D],
+                                       strides=[stride_on, 1], block_shape=[BLOCK_M, D])
+    if HAS_KV_LEN:
+        kv_len = tl.load(KV_LEN + b)
+    else:
+        kv_len = N_K
+    full_end = kv_len // BLOCK_N * BLOCK_N
+
+    q = desc_q.load([pid_m * BLOCK_M, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    # full blocks: every key visible, so m_new is finite from the first block on
+    for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WS):
+        s = tl.dot(q, desc_k.load([start_n, 0]).T)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])   # scale and shift in one FMA
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(dtype), desc_v.load([start_n, 0]), acc)
+        m_i = m_new
+    if full_end < kv_len:
+        # the ragged end: keys >= kv_len masked (TMA reads zeros past N_K, kv_len may end sooner)
+        cols = full_end + tl.arange(0, BLOCK_N)
+        s = tl.dot(q, desc_k.load([full_end, 0]).T) * qk_scale
+        s = tl.where(cols[None, :] < kv_len, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(dtype), desc_v.load([full_end, 0]), acc)
+        m_i = m_new
+
+    # epilogue as attn_fwd's: rows that saw no key (kv_len = 0) -> 0, -inf
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    desc_o.store([pid_m * BLOCK_M, 0], (acc / l_safe[:, None]).to(dtype))   # rows past N_Q clipped
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + b * stride_lb + h * stride_lh + rows, lse, mask=rows < N_Q)
+
+
+@triton.jit
 def attn_combine(
     O_PART,                      # (S, R, D) fp32: each split's normalised output, R = B·Hq·Nq rows
     LSE_PART,                    # (S, R) fp32: each split's natural-log lse (-inf: saw no key)
@@ -258,6 +338,31 @@ def _prune_split(configs, nargs, **kw):
 
 _KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "PACK", "N_Q_BUCKET", "N_K_BUCKET"]
 _ALL_PREFILL = [c for cs in _PREFILL.values() for c in cs] + _PREFILL_FP32
+
+def _tma_cfg(bm, bn, w, s, ws):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws}, num_warps=w, num_stages=s)
+
+
+# Measured on the H200 (python -m bench.fwd_tma_probe --ws, 2026-11-30), TFLOP/s fp16 1x32xNx128:
+# warp-specialised 128/64/w4/s2 516 (N 4k) / 528 (16k), plain 128/128/w8/s3 484 / 507, attn_fwd 479 /
+# 501; 4x32x4096x64: plain 128/64/w8/s3 414, attn_fwd 396. Warp-specialised 128/128/w4/s2 ran at
+# 173-291 in this kernel, and 128/64/w4/s3 gave NaN: a config is listed only once seen correct and
+# fast on the GPU (tests/test_triton_forward.py checks each one alone).
+TMA_CONFIGS = {
+    64: [_tma_cfg(128, 64, 8, 3, False), _tma_cfg(128, 64, 4, 3, False)],
+    128: [_tma_cfg(128, 64, 4, 2, True), _tma_cfg(128, 128, 8, 3, False)],
+}
+
+
+def _prune_tma(configs, nargs, **kw):
+    return TMA_CONFIGS[kw["D"]]
+
+
+attn_fwd_tma_tuned = triton.autotune(
+    configs=[c for cs in TMA_CONFIGS.values() for c in cs],
+    key=["D", "HAS_KV_LEN", "N_Q_BUCKET", "N_K_BUCKET"],
+    prune_configs_by={"early_config_prune": _prune_tma},
+)(attn_fwd_tma)
 
 attn_fwd_tuned = triton.autotune(
     configs=_ALL_PREFILL, key=_KEY, prune_configs_by={"early_config_prune": _prune_prefill},

@@ -102,7 +102,8 @@ def _choose_config(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Ten
     return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, launched
 
 
-def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor) -> None:
+def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor,
+           interpret_cfg: dict | None = None) -> None:
     """Run an autotuned kernel. ``grid`` maps a config's kwargs to the grid.
 
     A launch whose signature was seen before goes straight to the compiled kernel: Triton's
@@ -111,7 +112,8 @@ def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor) -> 
     config, no cache."""
     raw = tuned.fn
     if interpreting():
-        raw[grid(_INTERPRET_CFG)](*args, **meta, **_INTERPRET_CFG)
+        cfg = interpret_cfg or _INTERPRET_CFG
+        raw[grid(cfg)](*args, **meta, **cfg)
         return
     dev = first_tensor.device
     key = _signature(tuned, args, meta, dev)
@@ -210,6 +212,63 @@ def split_keys(n_k: int, num_splits: int) -> tuple[int, int]:
     return triton.cdiv(n_k, kps), kps
 
 
+TMA_MIN_N = 2048  # at 1024, attn_fwd was as fast or faster (372 vs 363 TFLOP/s, 332 vs 315 at D=64)
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_rows_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a contiguous last dim and 16-byte aligned base and row strides."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]))
+
+
+def tma_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+             pack: int, splits: int, sizes: bool = True) -> bool:
+    """Whether ``attn_fwd_tma`` serves this problem: non-causal 16-bit prefill at D 64 or 128 on a
+    Hopper GPU (or the interpreter), TMA-compatible strides, a positive scale (its loop takes the
+    row max before scaling). ``sizes=False`` skips the sequence-length threshold (tests).
+
+    Never depends on B (batched answers equal lone ones bit for bit): the strides it reads are
+    per-row and per-head, and the service stages every request at 256-byte aligned offsets."""
+    if causal or scale <= 0 or pack != 1 or splits != 1 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.shape[-1] not in (64, 128) or not (interpreting() or _hopper(q.device)):
+        return False
+    if sizes and min(q.shape[2], k.shape[2]) < TMA_MIN_N:
+        return False
+    return _tma_rows_ok(q) and _tma_rows_ok(k) and _tma_rows_ok(v)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the kernels' device-side tensor descriptors (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+_TMA_INTERPRET_CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "WS": False, "num_warps": 4, "num_stages": 1}
+
+
+def _forward_tma(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> None:
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    args = (
+        q, k, v, o, lse, kv_len,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        hq, hq // hkv, n_q, n_k, scale * kern.LOG2E, _bucket(n_q), _bucket(n_k),
+    )
+
+    def grid(cfg):
+        return (triton.cdiv(n_q, cfg["BLOCK_M"]), b * hq)
+
+    # a ContextVar: set in the launching thread (the service launches from worker threads)
+    triton.set_allocator(_scratch)
+    launch(kern.attn_fwd_tma_tuned, grid, args, dict(D=d, HAS_KV_LEN=has_kv_len), q,
+           interpret_cfg=_TMA_INTERPRET_CFG)
+
+
 def flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -219,9 +278,11 @@ def flash_forward(
     scale: float,
     kv_lengths: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32. ``num_splits`` forces the number
-    of key splits (tests); None lets ``plan`` choose."""
+    of key splits and ``tma`` the TMA kernel on (where its layout rules allow, whatever the sizes)
+    or off (tests, benchmarks); None lets ``plan`` and ``tma_path`` choose."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
@@ -230,6 +291,11 @@ def flash_forward(
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
+    if tma is not False and tma_path(q, k, v, causal, scale, pack, splits, sizes=tma is None):
+        _forward_tma(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
+        return o, lse
+    if tma:
+        raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
     bd = block_d(d)
     rows = pack * n_q
     if splits == 1:
@@ -281,4 +347,4 @@ def flops(b: int, hq: int, n_q: int, n_k: int, d: int, causal: bool) -> float:
     return f / 2 if causal else f
 
 
-__all__ = ["block_d", "combine", "flash_forward", "flops", "freeze_autotuning", "plan"]
+__all__ = ["block_d", "combine", "flash_forward", "flops", "freeze_autotuning", "plan", "tma_path"]

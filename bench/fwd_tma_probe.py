@@ -1,0 +1,311 @@
+"""Probes of the forward kernels on the H200 (not a test; prints tables).
+
+    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe              # the shipped kernel on the anchors
+    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --variants   # the first probe, below
+    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --decode     # split counts x configs for decode
+
+--variants prints, per shape, TFLOP/s of the production kernel, of SDPA's cuDNN and FlashAttention-2 backends,
+and of each probe variant × config, every one timed by replaying a CUDA graph (kernel time only,
+``do_bench`` median) and checked against SDPA. The probe kernel serves only the easy case
+(contiguous q/k/v, N a multiple of BLOCK_N, no mask): it answers "is there speed to win", not
+"is it correct everywhere"; the production kernel stays the one that is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from kernels.flash import flash_forward
+
+
+@triton.jit
+def _probe_fwd(Q, K, V, O, desc_q_h, desc_k_h, desc_v_h, qk_scale, Y, N,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DEVICE_DESC: tl.constexpr, WS: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    dtype = Q.dtype.element_ty
+    y = bh * N  # row of (b, h, 0) in the (B·H·N, D) view
+    if DEVICE_DESC:
+        desc_q = tl.make_tensor_descriptor(Q, shape=[Y, D], strides=[D, 1],
+                                           block_shape=[BLOCK_M, D])
+        desc_k = tl.make_tensor_descriptor(K, shape=[Y, D], strides=[D, 1],
+                                           block_shape=[BLOCK_N, D])
+        desc_v = tl.make_tensor_descriptor(V, shape=[Y, D], strides=[D, 1],
+                                           block_shape=[BLOCK_N, D])
+    else:
+        desc_q = desc_q_h
+        desc_k = desc_k_h
+        desc_v = desc_v_h
+    q = desc_q.load([y + pid_m * BLOCK_M, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start_n in tl.range(0, N, BLOCK_N, warp_specialize=WS):
+        k = desc_k.load([y + start_n, 0]).T
+        s = tl.dot(q, k)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])   # one FMA per element
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = desc_v.load([y + start_n, 0])
+        acc = tl.dot(p.to(dtype), v, acc)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    tl.store(O + (y + offs_m)[:, None] * D + offs_d[None, :], acc.to(dtype))
+
+
+def _alloc(size: int, alignment: int, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def probe(q, k, v, bm, bn, warps, stages, device_desc, ws):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, h, n, d = q.shape
+    o = torch.empty_like(q)
+    q2, k2, v2 = (t.view(b * h * n, d) for t in (q, k, v))
+    if device_desc:
+        dq = dk = dv = None
+    else:
+        dq = TensorDescriptor(q2, q2.shape, q2.stride(), [bm, d])
+        dk = TensorDescriptor(k2, k2.shape, k2.stride(), [bn, d])
+        dv = TensorDescriptor(v2, v2.shape, v2.stride(), [bn, d])
+    grid = (n // bm, b * h)
+
+    def run():
+        _probe_fwd[grid](q, k, v, o, dq, dk, dv, d ** -0.5 * 1.4426950408889634, b * h * n, n,
+                         D=d, BLOCK_M=bm, BLOCK_N=bn, DEVICE_DESC=device_desc, WS=ws,
+                         num_warps=warps, num_stages=stages)
+        return o
+    return run
+
+
+def graph_ms(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph: the kernels' time without host launch work."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=20, rep=100, return_mode="median")
+
+
+def _sdpa(backend, q, k, v, gqa=False):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+
+def _qkv(b, hq, hkv, n_q, n_k, d, dt):
+    return (torch.randn(b, hq, n_q, d, device="cuda", dtype=dt),
+            torch.randn(b, hkv, n_k, d, device="cuda", dtype=dt),
+            torch.randn(b, hkv, n_k, d, device="cuda", dtype=dt))
+
+
+# ---- default: the shipped kernel on the non-causal anchors (ANCHORS.md) and long N
+
+ANCHOR_ROWS = [(torch.float16, 1, 32, 1024, 128), (torch.float16, 1, 32, 4096, 128),
+               (torch.float16, 1, 32, 16384, 128), (torch.float16, 4, 32, 1024, 64),
+               (torch.float16, 4, 32, 4096, 64), (torch.float16, 4, 32, 16384, 64),
+               (torch.float16, 16, 16, 512, 64), (torch.bfloat16, 1, 32, 4096, 128),
+               (torch.bfloat16, 1, 32, 16384, 128), (torch.bfloat16, 4, 32, 4096, 64),
+               (torch.float16, 1, 8, 65536, 128), (torch.float16, 1, 8, 131072, 128)]
+
+
+def anchor_row(dt, b, h, n, d) -> str:
+    """TFLOP/s (do_bench median, L2 flushed before each call) of flash as shipped (the TMA kernel
+    where tma_path takes it), flash with the TMA kernel off / forced on, SDPA cuDNN and FA2."""
+    from kernels import flash
+
+    torch.manual_seed(0)
+    q, k, v = _qkv(b, h, h, n, n, d, dt)
+    sc = d ** -0.5
+    provs = {
+        "flash": lambda: flash_forward(q, k, v, causal=False, scale=sc)[0],
+        "off": lambda: flash_forward(q, k, v, causal=False, scale=sc, tma=False)[0],
+        "on": lambda: flash_forward(q, k, v, causal=False, scale=sc, tma=True)[0],
+        "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v),
+        "fa2": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v),
+    }
+    outs = {name: fn() for name, fn in provs.items()}  # compile and tune all before timing any
+    fl = 4.0 * b * h * n * n * d
+    tf = {name: fl / bench_ms(fn) / 1e9 for name, fn in provs.items()}
+    err = max((outs[x].float() - outs["fa2"].float()).abs().max().item() for x in ("flash", "on"))
+    path = flash.tma_path(q, k, v, False, sc, 1, 1)
+    return (f"| {str(dt)[6:]} | {b} | {h} | {n} | {d} | {tf['flash']:.0f} | {tf['off']:.0f} | {tf['on']:.0f} "
+            f"| {tf['cudnn']:.0f} | {tf['fa2']:.0f} | {tf['flash'] / tf['fa2']:.2f} | {path} | {err:.1e} |")
+
+
+def anchors() -> None:
+    print("| dtype | B | H | N | D | flash | flash, TMA off | flash, TMA forced | sdpa_cudnn | sdpa_flash "
+          "| flash/sdpa_flash | TMA path | max err vs sdpa_flash |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in ANCHOR_ROWS:
+        print(anchor_row(*row), flush=True)
+        torch.cuda.empty_cache()
+
+
+# ---- --ws: attn_fwd_tma launched raw per config, beside the bare probe kernel above
+
+WS_ROWS = [(torch.float16, 1, 32, 4096, 128), (torch.bfloat16, 1, 32, 4096, 128),
+           (torch.float16, 1, 32, 16384, 128), (torch.float16, 1, 32, 1024, 128),
+           (torch.float16, 4, 32, 1024, 64), (torch.float16, 4, 32, 4096, 64)]
+WS_CONFIGS = [(128, 128, 4, 2, True), (128, 128, 8, 3, False), (128, 64, 8, 3, False), (128, 128, 8, 2, True),
+              (128, 64, 4, 2, True)]  # (BLOCK_M, BLOCK_N, warps, stages, warp-specialised)
+
+
+def ws_row(dt, b, h, n, d) -> str:
+    """Which configs keep the bare probe's speed inside the full kernel (its kv_len, ragged-block
+    and epilogue code around the loop)?"""
+    from kernels import _flash_fwd_kernels as kern
+    from kernels.flash import _bucket, _no_lengths
+
+    torch.manual_seed(0)
+    q, k, v = _qkv(b, h, h, n, n, d, dt)
+    ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v)
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
+    fl = 4.0 * b * h * n * n * d
+
+    def run(bm, bn, w, st, ws):
+        kern.attn_fwd_tma[(triton.cdiv(n, bm), b * h)](
+            q, k, v, o, lse, _no_lengths(q.device), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *o.stride()[:3], *lse.stride()[:2], h, 1, n, n, d ** -0.5 * kern.LOG2E, _bucket(n), _bucket(n),
+            D=d, HAS_KV_LEN=False, BLOCK_M=bm, BLOCK_N=bn, WS=ws, num_warps=w, num_stages=st)
+        return o
+
+    res = []
+    for bm, bn, w, st, ws in WS_CONFIGS:
+        name = f"{bm}/{bn}/w{w}/s{st}{'/ws' if ws else ''}"
+        try:
+            err = (run(bm, bn, w, st, ws).float() - ref.float()).abs().max().item()
+            t = bench_ms(lambda cfg=(bm, bn, w, st, ws): run(*cfg))
+            res.append(f"{name} {fl / t / 1e9:.0f}" + ("" if err < 2e-2 else f" WRONG({err:.1g})"))
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+            res.append(f"{name} fail:{type(exc).__name__}")
+    bare = probe(q, k, v, 128, 128, 4, 2, True, True)
+    bare()
+    res.append(f"probe-ws {fl / bench_ms(bare) / 1e9:.0f}")
+    return f"{str(dt)[6:]} {b}x{h}x{n}x{d}: " + ", ".join(res)
+
+
+# ---- --decode: split counts x split-kernel configs (bf16, Nq 1, Hq 32 / Hkv 8, D 128)
+
+DECODE = [(1, 8192), (1, 32768), (16, 8192)]
+SPLIT_CONFIGS = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 256, 4, 2), (16, 128, 4, 4), (32, 64, 4, 3),
+                 (16, 64, 2, 4), (16, 128, 8, 3)]
+
+
+def decode_rows(b, nk) -> list[str]:
+    """GB/s of K and V read once: the shipped plan (normal and graph-replayed), SDPA, then every
+    split count x config. ``do_bench`` clears L2 before each call."""
+    import os
+
+    from kernels import _flash_fwd_kernels as kern
+    from kernels import flash
+
+    hq, hkv, d = 32, 8, 128
+    q, k, v = _qkv(b, hq, hkv, 1, nk, d, torch.bfloat16)
+    mb = 2 * k.numel() * k.element_size() / 1e6
+
+    def ours(splits=None):
+        return flash_forward(q, k, v, causal=False, scale=d ** -0.5, num_splits=splits)[0]
+
+    ref = ours()
+    plan = flash.plan(b, hq, hkv, 1, nk, q.device)
+    line = [f"plan {plan}: {mb / bench_ms(ours):.0f} (graph {mb / graph_ms(ours):.0f})"]
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+        try:
+            line.append(f"{name} {mb / bench_ms(lambda be=be: _sdpa(be, q, k, v, gqa=True)):.0f}")
+        except Exception as exc:  # noqa: BLE001
+            line.append(f"{name} fail:{type(exc).__name__}")
+    rows = [f"decode B={b} Nk={nk} ({mb:.1f} MB):  " + "; ".join(line)]
+    saved = kern._SPLIT[:]
+    os.environ["ATTNSERVE_AUTOTUNE"] = "0"  # the first (only) config of kern._SPLIT
+    try:
+        for splits in (4, 8, 16, 32, 64):
+            res = []
+            for bm, bn, w, st in SPLIT_CONFIGS:
+                kern._SPLIT[:] = [kern._cfg(bm, bn, w, st)]
+                flash._compiled.clear()  # else the cached launch keeps the previous config
+                try:
+                    err = (ours(splits).float() - ref.float()).abs().max().item()
+                    t = bench_ms(lambda s=splits: ours(s))
+                    res.append(f"{bm}/{bn}/w{w}/s{st} {mb / t:.0f}" + ("" if err < 1e-2 else f" WRONG{err:.1g}"))
+                except Exception as exc:  # noqa: BLE001
+                    res.append(f"{bm}/{bn}/w{w}/s{st} fail:{type(exc).__name__}")
+            rows.append(f"   splits {splits}: " + ", ".join(res))
+    finally:
+        kern._SPLIT[:] = saved
+        flash._compiled.clear()
+        os.environ["ATTNSERVE_AUTOTUNE"] = "1"
+    return rows
+
+
+# ---- --variants: the bare probe kernel (host / device descriptors, warp-specialised or not)
+
+VARIANT_ROWS = [(torch.float16, 1, 32, 4096, 128), (torch.bfloat16, 1, 32, 4096, 128),
+                (torch.float16, 1, 32, 16384, 128), (torch.float16, 4, 32, 4096, 64)]
+VARIANT_CONFIGS = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2)]
+
+
+def variant_rows(dt, b, h, n, d) -> list[str]:
+    """TFLOP/s by CUDA-graph replay, each variant checked against SDPA."""
+    torch.manual_seed(0)
+    q, k, v = _qkv(b, h, h, n, n, d, dt)
+    fl = 4.0 * b * h * n * n * d
+    ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v)
+    res = {
+        "flash": fl / graph_ms(lambda: flash_forward(q, k, v, causal=False, scale=d ** -0.5)) / 1e9,
+        "sdpa_cudnn": fl / graph_ms(lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v)) / 1e9,
+        "sdpa_flash": fl / graph_ms(lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v)) / 1e9,
+    }
+    rows = [f"{str(dt)[6:]} {b}x{h}x{n}x{d}:"] + [f"   {name:28s} {val:.0f}" for name, val in res.items()]
+    for dev_desc, ws in ((False, False), (True, False), (True, True)):
+        tag = ("dev" if dev_desc else "host") + ("+ws" if ws else "")
+        for bm, bn, w, st in VARIANT_CONFIGS:
+            try:
+                fn = probe(q, k, v, bm, bn, w, st, dev_desc, ws)
+                err = (fn().float() - ref.float()).abs().max().item()
+                val = f"{fl / graph_ms(fn) / 1e9:.0f}" + ("" if err < 2e-2 else f" WRONG({err:.2g})")
+            except Exception as exc:  # noqa: BLE001
+                val = f"fail:{type(exc).__name__}:{str(exc)[:80]}"
+            rows.append(f"   {tag} {bm}/{bn}/w{w}/s{st}".ljust(31) + val)
+    return rows
+
+
+def main() -> None:
+    triton.set_allocator(_alloc)  # the bare probe's device-side descriptors
+    if "--decode" in sys.argv:
+        for b, nk in DECODE:
+            print("\n".join(decode_rows(b, nk)), flush=True)
+    elif "--ws" in sys.argv:
+        for row in WS_ROWS:
+            print(ws_row(*row), flush=True)
+    elif "--variants" in sys.argv:
+        for row in VARIANT_ROWS:
+            print("\n".join(variant_rows(*row)), flush=True)
+    else:
+        anchors()
+
+
+if __name__ == "__main__":
+    main()
