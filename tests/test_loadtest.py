@@ -198,3 +198,31 @@ def test_docs_name_only_real_options():
     documented = set(re.findall(r"^\| `(--[a-z-]+)", text, flags=re.M))
     known = {o for a in run.build_parser()._actions for o in a.option_strings}
     assert documented and documented <= known, documented - known
+
+
+def test_final_rates_count_the_whole_window_not_up_to_the_last_answer(tmp_path):
+    """A cell whose answers stop early (a queue longer than the cell) must not read as a high rate:
+    the rate is requests over the measured window (statistics start -> test stop). Locust is
+    imported in a child process: it monkey-patches the standard library with gevent."""
+    script = f"""
+import json, time
+from locust.env import Environment
+from loadtest import locustfile
+env = Environment()
+env.create_local_runner()
+stats = env.runner.stats
+t0 = time.time()
+stats.total.start_time = t0 - 30.0          # a 30 s window ...
+for _ in range(21):                          # ... whose 21 answers came in its first 2.4 s
+    stats.log_request("POST", "st prefill", 5000, 10)
+stats.total.last_request_timestamp = t0 - 27.6
+locustfile._write_final_stats(env, {str(tmp_path / "final.json")!r}, stopped_at=t0)
+locustfile._write_final_stats(env, {str(tmp_path / "no_stop.json")!r})
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    total = json.loads((tmp_path / "final.json").read_text())["total"]
+    assert total["requests"] == 21 and total["rps"] == pytest.approx(0.7, rel=0.01)
+    no_stop = json.loads((tmp_path / "no_stop.json").read_text())["total"]  # no test_stop seen: up to the last answer
+    assert no_stop["rps"] == pytest.approx(21 / 2.4, rel=0.01)
