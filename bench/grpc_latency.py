@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kernels
 from service import codec
+from service.codec import ServerTiming
 from service.grpc_client import GrpcAttentionClient
 from service.grpc_codec import tensor_to_pb
 from service.protogen import attention_stubs, inference_stubs
@@ -185,7 +186,16 @@ def main() -> None:
 
         kernel = kernel_p50(q, k, v, args.device, args.iters)
         rows = [("kernel", [kernel], None)]
-        for name, call in (("Attend", lambda: stub.Attend(msg, timeout=60)),
+        phases: dict[str, list[float]] = {}
+
+        def attend():  # with the server's own split of the call (trailing metadata "server-timing")
+            _, call = stub.Attend.with_call(msg, timeout=60)
+            for key, value in call.trailing_metadata() or ():
+                if key == "server-timing":
+                    for phase, ms in ServerTiming.parse(value).items():
+                        phases.setdefault(phase, []).append(ms)
+
+        for name, call in (("Attend", attend),
                            ("Attend+client", lambda: client.attention(q, k, v)),
                            ("ModelInfer", lambda: oip.ModelInfer(oip_req, timeout=60))):
             rows.append((name, timed(call, args.iters, args.warmup), None))
@@ -210,6 +220,11 @@ def main() -> None:
             print(f"| {name} | {p50 * 1e6:.0f} | {p90:.0f} | {p99:.0f} | {added} | {1 / p50:.0f} |")
         else:
             print(f"| {name} | | | | | {rate:.0f} |")
+    if phases:
+        split = {k: statistics.median(v) for k, v in phases.items()}
+        attend_p50 = statistics.median(rows[1][1]) * 1e3
+        print("\nAttend, server p50 ms: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items())
+              + f"; outside the handler (grpc, sockets, client) ~{attend_p50 - sum(split.values()):.3f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 
 import kernels
 from service.client import AttentionClient
+from service.codec import ServerTiming
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## HTTP transport"
@@ -119,9 +120,8 @@ def http_times(
         post()
         out.append(time.perf_counter() - t0)
         if phases is not None:
-            for part in filter(None, timing.split(",")):
-                name, _, dur = part.strip().partition(";dur=")
-                phases.setdefault(name, []).append(float(dur))
+            for name, dur in ServerTiming.parse(timing).items():
+                phases.setdefault(name, []).append(dur)
     return out, size
 
 

@@ -5,6 +5,7 @@ Open Inference Protocol, and raw little-endian row-major buffers. No transport l
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 
 import torch
@@ -85,3 +86,32 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
 def check_tensor_bytes(nbytes: int, limit: int, name: str) -> None:
     if nbytes > limit:
         raise PayloadTooLarge(f"{name} is {nbytes / 2**20:.1f} MiB, over the limit of {limit / 2**20:.0f} MiB")
+
+
+class ServerTiming:
+    """The phases of one call in W3C ``Server-Timing`` syntax (durations in ms): ``read`` (an HTTP
+    body), ``decode``, ``engine`` (queue + compute + copies), ``encode``. HTTP sends it as the
+    ``Server-Timing`` header, gRPC as the ``server-timing`` trailing metadata of a unary call."""
+
+    __slots__ = ("_last", "_phases")
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._phases: list[str] = []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phases.append(f"{name};dur={1e3 * (now - self._last):.3f}")
+        self._last = now
+
+    def value(self) -> str:
+        return ", ".join(self._phases)
+
+    @staticmethod
+    def parse(value: str) -> dict[str, float]:
+        """``"decode;dur=0.1, engine;dur=1.0"`` -> ``{"decode": 0.1, "engine": 1.0}`` (ms)."""
+        out = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            name, _, dur = part.partition(";dur=")
+            out[name] = float(dur)
+        return out

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from . import grpc_codec, grpc_oip
 from .auth import check_api_key
+from .codec import ServerTiming
 from .errors import BadRequest, ServiceError
 from .grpc_codec import offload, result_bytes
 from .protogen import attention_stubs
@@ -176,14 +177,23 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     def __init__(self, engine):
         self.engine = engine
 
-    async def _attend(self, request, deadline: float | None, request_id: str | None = None):
+    async def _attend(self, request, deadline: float | None, request_id: str | None = None,
+                      timing: ServerTiming | None = None):
+        timing = ServerTiming() if timing is None else timing
         req = await offload(request.ByteSize(), grpc_codec.attention_request, request, deadline=deadline,
                             request_id=request_id)
+        timing.mark("decode")
         res = await self.engine.attend(req)
-        return await offload(result_bytes(res.o, res.lse), grpc_codec.attend_response, res)
+        timing.mark("engine")
+        out = await offload(result_bytes(res.o, res.lse), grpc_codec.attend_response, res)
+        timing.mark("encode")
+        return out
 
     async def Attend(self, request, context):
-        return await self._attend(request, grpc_codec.deadline_of(context))
+        timing = ServerTiming()
+        response = await self._attend(request, grpc_codec.deadline_of(context), timing=timing)
+        context.set_trailing_metadata((("server-timing", timing.value()),))
+        return response
 
     async def AttendStream(self, request_iterator, context):
         deadline = grpc_codec.deadline_of(context)

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import http_codec as wire
 from .auth import check_api_key
-from .codec import DTYPE_NAMES
+from .codec import DTYPE_NAMES, ServerTiming
 from .errors import BadRequest, ServiceError, Unavailable
 from .settings import Settings
 
@@ -426,7 +426,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     )
     async def attention(request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
-        timing = wire.ServerTiming()
+        timing = ServerTiming()
         body, mtype = await read(request)
         timing.mark("read")
         big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
@@ -442,7 +442,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await wire.offload(big, wire.encode_result, tensors, encoding)
         timing.mark("encode")
-        return Response(content, media_type=media, headers=timing.header())
+        return Response(content, media_type=media, headers={"Server-Timing": timing.value()})
 
     @app.get("/layers", summary="the loaded model layers")
     async def list_layers() -> dict:
@@ -456,7 +456,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     )
     async def call_layer(name: str, request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
-        timing = wire.ServerTiming()
+        timing = ServerTiming()
         body, mtype = await read(request)
         timing.mark("read")
         big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
@@ -477,7 +477,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         timing.mark("engine")
         content, media = await wire.offload(big, wire.encode_result, {"y": result.y}, encoding)
         timing.mark("encode")
-        return Response(content, media_type=media, headers=timing.header())
+        return Response(content, media_type=media, headers={"Server-Timing": timing.value()})
 
     @app.get("/healthz", summary="alive (the process answers)")
     async def healthz() -> dict:

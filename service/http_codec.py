@@ -17,7 +17,6 @@ import base64
 import binascii
 import math
 import struct
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -128,25 +127,6 @@ def deadline_from(header: str | None, settings: Settings, arrived: float) -> flo
                 f"X-Request-Timeout-Ms must be a non-negative number of milliseconds, got {header!r}"
             )
     return arrived + ms / 1000.0
-
-
-class ServerTiming:
-    """The phases of one call, for the W3C ``Server-Timing`` response header (durations in ms):
-    ``read`` (the body), ``decode``, ``engine`` (queue + compute + copies), ``encode``."""
-
-    __slots__ = ("_last", "_phases")
-
-    def __init__(self) -> None:
-        self._last = time.perf_counter()
-        self._phases: list[str] = []
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self._phases.append(f"{name};dur={1e3 * (now - self._last):.3f}")
-        self._last = now
-
-    def header(self) -> dict[str, str]:
-        return {"Server-Timing": ", ".join(self._phases)}
 
 
 def worth_offloading(body_bytes: int, json_bytes: int) -> bool:

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from layer_fixtures import write_bert
 
 from kernels.reference import reference_attention
+from service.codec import ServerTiming
 from service.grpc_client import GrpcAttentionClient, GrpcAttentionServiceError
 from service.grpc_codec import deadline_of, tensor_from_pb, tensor_to_pb
 from service.layers import load_layer
@@ -131,6 +132,19 @@ def test_attend_matches_reference(stub, shape, dtype):
     resp = stub.Attend(attend_msg(q, k, v, request_id="unary-1"), timeout=60)
     assert resp.request_id == "unary-1" and not resp.HasField("lse")
     assert_close_to_reference(tensor_from_pb(resp, "o"), q, k, v)
+
+
+def test_attend_says_where_the_server_time_went(stub):
+    """A unary Attend carries its server-side split (decode, engine, encode; ms, W3C Server-Timing
+    syntax) in the trailing metadata "server-timing", adding up to less than the call."""
+    q, k, v = make_qkv((1, 2, 2, 16, 16, 8), torch.float32, seed=3)
+    t0 = time.perf_counter()
+    resp, call = stub.Attend.with_call(attend_msg(q, k, v), timeout=60)
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    assert_close_to_reference(tensor_from_pb(resp, "o"), q, k, v)
+    phases = ServerTiming.parse(dict(call.trailing_metadata())["server-timing"])
+    assert list(phases) == ["decode", "engine", "encode"], phases
+    assert all(ms >= 0 for ms in phases.values()) and sum(phases.values()) < wall_ms, (phases, wall_ms)
 
 
 def test_attend_options(stub):
