@@ -68,7 +68,12 @@ def attention(
     """
     spec = check_inputs(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
     impl = choose(spec, kernel)
-    o, lse = impl.forward(q, k, v, causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        # Triton launches on the current device (and its stream), wherever the tensors are
+        with torch.cuda.device(q.device):
+            o, lse = impl.forward(q, k, v, causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
+    else:
+        o, lse = impl.forward(q, k, v, causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
     return (o, lse) if return_lse else o
 
 

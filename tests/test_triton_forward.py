@@ -276,3 +276,21 @@ def test_gpu_every_tma_config(d, monkeypatch, poisoned_empty):
             o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
             check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
     flash._compiled.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("case", ["prefill_d64", "decode_split"])  # the TMA kernel, the split-KV pair
+def test_gpu_second_device_while_the_first_is_current(case):
+    """kernels.attention on cuda:1 tensors from a thread whose current device is cuda:0 (what a
+    multi-GPU user of the library does): Triton launches on the current device, so the entry
+    point must switch to the tensors' own."""
+    import kernels
+
+    torch.cuda.set_device(0)
+    q, k, v, causal, scale, kvl = make(GPU_CASES[case], torch.bfloat16, "cuda:1")
+    o, lse = kernels.attention(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, return_lse=True,
+                               kernel="flash")
+    torch.cuda.synchronize(1)
+    assert o.device == q.device and torch.cuda.current_device() == 0
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
