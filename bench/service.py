@@ -10,6 +10,8 @@ Engine (in-process), no transport in the way:
       on device-resident inputs (target: >= 95%);
   (c) multi: the batched small-request run on two GPUs vs one (target: >= 1.9x).
 Without a GPU the same runs use the CPU and smaller large-request shapes (for a smoke test only).
+With --null-kernel the kernel only allocates its outputs: what is left is the engine's host path
+(validation, batching, staging and copies, futures), i.e. the most any device could give it.
 """
 
 from __future__ import annotations
@@ -165,6 +167,13 @@ def _copy_note(shape, dtype, device: str) -> str:
             f"D2H of o {1e3 * t_d2h:.2f} ms")  # fmt: skip
 
 
+def _null_attention(q, k, v, causal=False, scale=None, kv_lengths=None, return_lse=False, kernel="auto"):
+    """``kernels.attention``'s signature, no compute: o and lse allocated on q's device."""
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return (o, lse) if return_lse else o
+
+
 def engine_rows(only: set[str], seconds: float) -> list[tuple]:
     """The table: (run, devices, batching, shape, dtype, req/s, p50 ms, p99 ms, mean batch, note)."""
     rows: list[tuple] = []
@@ -265,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     eng.add_argument("--only", default="small,large,multi", help="comma-separated: small, large, multi")
     eng.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     eng.add_argument("--write", type=Path, default=None, help="update this markdown file's engine section")
+    eng.add_argument("--null-kernel", action="store_true",
+                     help="a kernel that only allocates its outputs: the engine's host ceiling (validation, "
+                          "batching, staging and copies, futures) with the compute taken away")
     from bench import http_latency  # the HTTP section lives in its own module (issue #10)
 
     http_latency.add_arguments(sub.add_parser("http", help="the HTTP transport: added latency, GB/s, JSON"))
@@ -273,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         http_latency.run(args, "python -m bench.service " + " ".join(sys.argv[1:] if argv is None else argv))
         return
     os.environ.pop("TRITON_INTERPRET", None) if not HAS_CUDA else None
+    if args.null_kernel:
+        kernels.attention = _null_attention  # the workers call kernels.attention through the module
     rows = []
     for section in args.only.split(","):  # one failing section does not lose the others' numbers
         try:
