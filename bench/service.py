@@ -92,7 +92,7 @@ async def _load(
         per_dev = [
             (reg.get_sample_value("attnserve_inference_compute_duration_seconds_count", {"device": d}) or 0,
              reg.get_sample_value("attnserve_inference_compute_duration_seconds_sum", {"device": d}) or 0)
-            for d in engine.devices
+            for d in dict.fromkeys(engine.devices)  # two CPU workers share the label "cpu"
         ]  # fmt: skip
         queued = (
             reg.get_sample_value("attnserve_inference_queue_duration_seconds_sum", {"kind": "attention"}) or 0

@@ -5,7 +5,11 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
 
 - a worker that is idle never waits: the oldest queued request's key goes at once, with every
   request of that key queued so far (up to ``max_batch_tokens``), to the least-loaded idle worker;
-  so a lone request pays no batching delay;
+  so a lone request pays no batching delay. With several idle workers the batch is split evenly
+  among them only when each share still holds about ``SHARE_MIN_S`` of device work (bytes to move,
+  FLOPs to compute): a small batch stays whole, since a second launch costs more host time than
+  it saves (two H200s in one process: a 64-request batch of 1x8x128x64 split in two ran 0.78x the
+  rate of one GPU);
 - while every worker is busy, arrivals gather; a batch closes (and is staged on the least-loaded
   worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or its oldest
   request has waited ``max_queue_delay_ms``;
@@ -43,6 +47,11 @@ log = logging.getLogger("attnserve.batcher")
 
 STAGED_PER_WORKER = 2  # one launch running + one batch closed and waiting behind it
 
+# Idle workers split a batch only when each share holds at least this much estimated device time,
+# reckoned with these rough speeds: (host->device bytes/s, FLOP/s) per device type.
+SHARE_MIN_S = 1e-3
+DEVICE_SPEED = {"cuda": (50e9, 300e12), "cpu": (float("inf"), 50e9)}
+
 
 @dataclass(eq=False, slots=True)
 class Pending:
@@ -52,6 +61,8 @@ class Pending:
     key: Hashable  # requests of equal keys may share a launch
     tokens: int  # query tokens, B·Nq (what --max-batch-tokens counts)
     memory: int  # device bytes a launch of this request alone needs
+    io_bytes: int  # bytes it moves host -> device -> host (inputs and outputs)
+    flops: float  # its compute, roughly (io_bytes and flops: whether splitting a batch pays)
     kind: str  # "attention" or "layer" (metrics label)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     enqueued: float = field(default_factory=time.monotonic)
@@ -237,9 +248,9 @@ class Batcher:
             now = time.monotonic()
             idle = [w for w in self.workers if w.inflight == 0]
             if idle:
-                # Idle workers share the oldest key's queue evenly rather than the first taking all.
                 key = self._oldest_key()
-                share = -(-self._tokens[key] // len(idle))  # ceil
+                n = len(idle) if len(idle) > 1 and self._worth_sharing(key, len(idle)) else 1
+                share = -(-self._tokens[key] // n)  # ceil
                 self._launch(self._least_loaded(idle), self._take(key, share))
                 continue
             free = [w for w in self.workers if w.inflight < STAGED_PER_WORKER]
@@ -259,6 +270,20 @@ class Batcher:
             else:
                 return wait
         return None
+
+    def _worth_sharing(self, key: Hashable, workers: int) -> bool:
+        """Whether the batch ``key``'s queue would form keeps each of ``workers`` busy for at least
+        SHARE_MIN_S: bytes over the host->device rate plus FLOPs over the compute rate."""
+        limit = self.settings.max_batch_tokens
+        tokens = nbytes = flops = 0
+        for p in self._queues[key]:
+            if tokens and tokens + p.tokens > limit:
+                break
+            tokens += p.tokens
+            nbytes += p.io_bytes
+            flops += p.flops
+        bandwidth, rate = DEVICE_SPEED.get(self.workers[0].device.type, DEVICE_SPEED["cuda"])
+        return (nbytes / bandwidth + flops / rate) / workers >= SHARE_MIN_S
 
     def _oldest_key(self) -> Hashable:
         return min(self._queues, key=lambda k: self._queues[k][0].enqueued)

@@ -176,7 +176,11 @@ class Engine:
             req.kernel,
             spec.has_kv_lengths,
         )
-        pending = Pending(req, key, tokens=spec.batch * spec.n_q, memory=memory, kind="attention")
+        rows_q, rows_kv = spec.batch * spec.heads_q * spec.n_q, spec.batch * spec.heads_kv * spec.n_k
+        io_bytes = req.q.element_size() * 2 * spec.head_dim * (rows_q + rows_kv) + 4 * rows_q  # q,k,v,o + lse
+        flops = 4.0 * rows_q * spec.n_k * spec.head_dim * (0.5 if spec.causal else 1.0)
+        pending = Pending(req, key, tokens=spec.batch * spec.n_q, memory=memory, io_bytes=io_bytes, flops=flops,
+                          kind="attention")
         return await self._submit(pending)
 
     async def call_layer(self, req: LayerRequest) -> LayerResult:
@@ -202,7 +206,10 @@ class Engine:
             req.positions is not None,
             req.kv_lengths is not None,
         )
-        pending = Pending(req, key, tokens=b * n, memory=memory, kind="layer")
+        h = layer.info.hidden_size
+        io_bytes = 2 * b * n * h * req.x.element_size()  # x in, y out
+        flops = 8.0 * b * n * h * h + 4.0 * b * n * n * h  # q/k/v/o projections + attention
+        pending = Pending(req, key, tokens=b * n, memory=memory, io_bytes=io_bytes, flops=flops, kind="layer")
         return await self._submit(pending)
 
     def layer_infos(self) -> list:

@@ -296,22 +296,33 @@ def test_two_workers_share_the_load(gate):
     assert asyncio.run(main()) == 2
 
 
-def test_idle_workers_share_a_queue(gate):
-    """Requests that arrive in one loop iteration form one batch, split evenly between idle workers
-    (not the first to one worker alone: that fragments every batch behind it)."""
+def _launches_of_ten_at_once(gate, shape) -> list[int]:
+    """Ten requests queued in one loop iteration (no await in between) on two idle CPU workers:
+    the batch size of each launch."""
 
     async def main():
         async with started_engine("--device", "cpu,cpu") as engine:
             g = gate()
-            # All ten queue before the dispatcher runs (no await in between): it finds two idle workers.
             tasks = [
-                asyncio.create_task(engine.attend(make_request(SHAPES[0], OPTIONS[0], seed=i)))
+                asyncio.create_task(engine.attend(make_request(shape, OPTIONS[0], seed=i)))
                 for i in range(10)
             ]
             await asyncio.gather(*tasks)
             return [q.shape[0] for q in g.launches]
 
-    assert sorted(asyncio.run(main())) == [5, 5]
+    return sorted(asyncio.run(main()))
+
+
+def test_idle_workers_share_a_batch_worth_two_launches(gate):
+    """Ten requests of 34 MFLOP each (~3 ms a share on the CPU estimate): split evenly between the
+    two idle workers (not the first arrival to one worker alone: that fragments every batch)."""
+    assert _launches_of_ten_at_once(gate, (1, 8, 8, 128, 128, 64)) == [5, 5]
+
+
+def test_a_small_batch_stays_whole(gate):
+    """Ten tiny requests (0.13 MFLOP each): one launch on one worker. A second launch would cost
+    more host time than it saves (two GPUs behind one event loop ran 0.78x one GPU that way)."""
+    assert _launches_of_ten_at_once(gate, SHAPES[0]) == [10]
 
 
 def test_queue_full_rejects_at_once(gate):
