@@ -339,6 +339,7 @@ def _prune_split(configs, nargs, **kw):
 _KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "PACK", "N_Q_BUCKET", "N_K_BUCKET"]
 _ALL_PREFILL = [c for cs in _PREFILL.values() for c in cs] + _PREFILL_FP32
 
+
 def _tma_cfg(bm, bn, w, s, ws):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws}, num_warps=w, num_stages=s)
 
