@@ -503,8 +503,14 @@ def test_health_follows_warmup_and_drain(tmp_path):
         first = next(watch).status
         if first == NOT_SERVING:  # still warming (the usual case): calls are refused meanwhile
             q, k, v = make_qkv((1, 1, 1, 2, 2, 4), torch.float32, seed=0)
-            err = status_of(stub.Attend, attend_msg(q, k, v), timeout=10)
-            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            try:
+                stub.Attend(attend_msg(q, k, v), timeout=10)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            # else: the CPU warm-up (milliseconds) ended between the watch's answer and the call,
+            # as it did once in a fresh-clone run. The refusal itself is tested on the engine
+            # (test_engine.py); its status comes from Unavailable.grpc_code, the one mapping that
+            # every error of this file goes through.
             assert next(watch).status == SERVING
         else:
             assert first == SERVING
