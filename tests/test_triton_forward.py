@@ -192,7 +192,7 @@ GPU_CASES = {
     "gqa_long": (1, 32, 8, 1024, 3000, 128, True, [3000]),
     "decode_split": (2, 32, 8, 1, 8192, 128, False, [8192, 777]),
     "decode_mqa_1": (1, 16, 1, 1, 65536, 128, False, None),
-    "tma_ragged": (2, 16, 4, 1100, 2500, 128, False, [2500, 1999]),  # the TMA kernel, chosen by size
+    "tma_ragged": (2, 16, 4, 2100, 2500, 128, False, [2500, 1999]),  # the TMA kernel, chosen by size (>= 2048)
 }
 
 
@@ -294,3 +294,11 @@ def test_gpu_second_device_while_the_first_is_current(case):
     torch.cuda.synchronize(1)
     assert o.device == q.device and torch.cuda.current_device() == 0
     check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+def test_tma_ragged_case_takes_the_tma_kernel():
+    """GPU_CASES["tma_ragged"] exists to run the TMA kernel through the automatic choice."""
+    from kernels.flash import tma_path
+
+    q, k, v, causal, scale, _ = make(GPU_CASES["tma_ragged"], torch.float16)
+    assert tma_path(q, k, v, causal, scale, 1, 1)
