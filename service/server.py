@@ -147,7 +147,9 @@ async def serve(settings: Settings) -> int:
         await asyncio.gather(start_task, return_exceptions=True)
     await engine.drain()  # not-ready from here; everything accepted is answered
     if grpc_server is not None:
-        await grpc_server.stop(grace=30)
+        from .grpc_server import shutdown
+
+        await shutdown(grpc_server, grace=30)
     http.should_exit = True
     await http_task
     log.info("stopped")
