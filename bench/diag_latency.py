@@ -185,7 +185,9 @@ SHORT = [(torch.float16, 1, 32, 1024, 128, False), (torch.float16, 1, 32, 1024, 
 EXTRA = [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (128, 32, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)]
 
 
-def _graph_ms(fn) -> float:
+def graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph: its kernels' time without the host's launch
+    work (``do_bench`` flushes L2 before each replay)."""
     from triton.testing import do_bench
 
     s = torch.cuda.Stream()
@@ -221,7 +223,7 @@ def part_kernels(sweep: bool) -> None:
         for name, fn in (("flash", ours), ("sdpa_flash", sdpa)):
             fn()
             t_n = do_bench(fn, warmup=20, rep=80, return_mode="median")
-            t_g = _graph_ms(fn)
+            t_g = graph_ms(fn)
             row.append(f"{name} {t_n:.4f}/{t_g:.4f} ({fl / t_n / 1e9:.0f}/{fl / t_g / 1e9:.0f})")
         print(f"  {str(dt)[6:]} {b}x{h}x{n}x{d} causal={causal}: " + "; ".join(row))
         if not sweep:
@@ -240,7 +242,7 @@ def part_kernels(sweep: bool) -> None:
             for bm, bn, w, st in cands:
                 kern._PREFILL[dcls] = [kern._cfg(bm, bn, w, st)]
                 try:
-                    t = _graph_ms(ours)
+                    t = graph_ms(ours)
                     res.append(f"{bm}/{bn}/w{w}/s{st} {fl / t / 1e9:.0f}")
                 except Exception as exc:  # noqa: BLE001 - out of shared memory etc.
                     res.append(f"{bm}/{bn}/w{w}/s{st} fail:{type(exc).__name__}")

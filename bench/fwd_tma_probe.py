@@ -22,6 +22,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from bench.diag_latency import graph_ms
 from kernels.flash import flash_forward
 
 
@@ -89,20 +90,6 @@ def probe(q, k, v, bm, bn, warps, stages, device_desc, ws):
                          num_warps=warps, num_stages=stages)
         return o
     return run
-
-
-def graph_ms(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph: the kernels' time without host launch work."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=25, rep=100, return_mode="median")
 
 
 def bench_ms(fn) -> float:
