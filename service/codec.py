@@ -90,7 +90,8 @@ def check_tensor_bytes(nbytes: int, limit: int, name: str) -> None:
 
 class ServerTiming:
     """The phases of one call in W3C ``Server-Timing`` syntax (durations in ms): ``read`` (an HTTP
-    body), ``decode``, ``engine`` (queue + compute + copies), ``encode``. HTTP sends it as the
+    body), ``decode``, the engine's ``queue``, ``launch``, ``device`` and ``return`` (see
+    ``engine``), ``encode``. HTTP sends it as the
     ``Server-Timing`` header, gRPC as the ``server-timing`` trailing metadata of a unary call."""
 
     __slots__ = ("_last", "_phases")
@@ -99,10 +100,23 @@ class ServerTiming:
         self._last = time.perf_counter()
         self._phases: list[str] = []
 
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
+    def mark(self, name: str, at: float | None = None) -> None:
+        """A phase that ended ``at`` (a ``time.perf_counter()`` instant; default now)."""
+        now = time.perf_counter() if at is None else max(at, self._last)
         self._phases.append(f"{name};dur={1e3 * (now - self._last):.3f}")
         self._last = now
+
+    def engine(self, stamps: tuple[float, float, float] | None) -> None:
+        """The engine's time, split by a result's ``stamps``: ``queue`` (validation and the
+        batcher, until a worker takes the launch), ``launch`` (the worker's thread: staging, copies
+        and the kernel enqueued), ``device`` (waiting for the device, answers split), ``return``
+        (back on the event loop, to this handler). They sum to the engine's whole time."""
+        if stamps is None:
+            self.mark("engine")
+            return
+        for name, at in zip(("queue", "launch", "device"), stamps, strict=True):
+            self.mark(name, at)
+        self.mark("return")
 
     def value(self) -> str:
         return ", ".join(self._phases)

@@ -208,7 +208,7 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
                             request_id=request_id)
         timing.mark("decode")
         res = await self.engine.attend(req)
-        timing.mark("engine")
+        timing.engine(res.stamps)
         out = await offload(result_bytes(res.o, res.lse), grpc_codec.attend_response, res)
         timing.mark("encode")
         return out

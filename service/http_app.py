@@ -438,7 +438,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         )
         timing.mark("decode")
         result = await engine.attend(req)
-        timing.mark("engine")
+        timing.engine(result.stamps)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await wire.offload(big, wire.encode_result, tensors, encoding)
         timing.mark("encode")
@@ -474,7 +474,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         )
         timing.mark("decode")
         result = await engine.call_layer(req)
-        timing.mark("engine")
+        timing.engine(result.stamps)
         content, media = await wire.offload(big, wire.encode_result, {"y": result.y}, encoding)
         timing.mark("encode")
         return Response(content, media_type=media, headers={"Server-Timing": timing.value()})

@@ -17,6 +17,10 @@ from .errors import BadRequest, InvalidInput
 
 LAYOUTS = ("bhnd", "bnhd")
 
+# time.perf_counter() when the launch that answered a request was handed to its worker, when the
+# worker had staged it and enqueued its kernel, and when the device was done and the answers split
+Stamps = tuple[float, float, float]
+
 
 _ID_PREFIX = uuid.uuid4().hex[:12]  # unique per process; a counter makes the rest unique within it
 _ID_COUNTER = itertools.count()
@@ -64,6 +68,7 @@ class AttentionResult:
     o: torch.Tensor
     lse: torch.Tensor | None = None
     request_id: str = ""
+    stamps: Stamps | None = None
 
 
 @dataclass
@@ -86,3 +91,4 @@ class LayerResult:
 
     y: torch.Tensor
     request_id: str = ""
+    stamps: Stamps | None = None

@@ -234,9 +234,13 @@ class Worker:
             else:
                 answered.set_result(outcomes)
 
-        def finish(parts: list[_Part]) -> None:
+        def finish(parts: list[_Part], staged: float) -> None:
             try:
                 outcomes = _finish_all(parts)
+                stamps = (t0, staged, time.perf_counter())
+                for outcome in outcomes:
+                    if not isinstance(outcome, ServiceError):
+                        outcome.stamps = stamps
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 loop.call_soon_threadsafe(settle, None, exc)
             else:
@@ -249,9 +253,9 @@ class Worker:
                 loop.call_soon_threadsafe(settle, None, exc)
             else:
                 if self._cuda:
-                    self._finisher.submit(finish, parts)
+                    self._finisher.submit(finish, parts, time.perf_counter())
                 else:  # the CPU computed in the launcher: nothing is left to wait for
-                    finish(parts)
+                    finish(parts, time.perf_counter())
 
         self._launcher.submit(launch)
         return answered

@@ -82,6 +82,28 @@ def test_attend_layout_lse_and_request_id():
     assert torch.equal(res.lse, lse)
 
 
+def test_results_carry_their_launch_stamps():
+    """Each answer says when its launch was handed to a worker, staged, and done (the Server-Timing
+    split): in that order, inside the call; requests that shared a launch share its stamps."""
+
+    async def main():
+        engine = Engine(cpu_settings(max_queue_delay_ms=50.0))
+        await engine.start()
+        t0 = time.perf_counter()
+        lone = await engine.attend(AttentionRequest(*qkv()))
+        t1 = time.perf_counter()
+        blocker = asyncio.create_task(engine.attend(AttentionRequest(*qkv(nq=512, nk=512, d=64))))
+        await asyncio.sleep(0)  # the blocker launches first: the next three queue behind it, as one batch
+        batch = await asyncio.gather(*(engine.attend(AttentionRequest(*qkv(seed=i))) for i in range(3)))
+        await blocker
+        await engine.drain()
+        return t0, lone, t1, batch
+
+    t0, lone, t1, batch = asyncio.run(main())
+    assert lone.stamps is not None and t0 < lone.stamps[0] <= lone.stamps[1] <= lone.stamps[2] < t1
+    assert len({r.stamps for r in batch}) == 1 and batch[0].stamps[0] > lone.stamps[2]
+
+
 @pytest.mark.parametrize(
     "make, status",
     [

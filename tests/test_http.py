@@ -682,7 +682,8 @@ def test_queue_full_429(guarded):
 
 def test_server_timing_header(http):
     """Each /attention and /layers answer says where the server's time went (W3C Server-Timing):
-    read, decode, engine, encode, in that order, non-negative, adding up to less than the call."""
+    read, decode, the engine's queue, launch, device and return, then encode, in that order,
+    non-negative, adding up to less than the call."""
     q, k, v = make((1, 2, 2, 16, 16, 8), torch.float32)
     calls = [
         ("/attention", {"q": q, "k": k, "v": v}),
@@ -694,6 +695,7 @@ def test_server_timing_header(http):
         wall_ms = 1e3 * (time.perf_counter() - t0)
         assert r.status_code == 200, r.text
         phases = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
-        assert [name for name, _ in phases] == ["read", "decode", "engine", "encode"], phases
+        names = ["read", "decode", "queue", "launch", "device", "return", "encode"]
+        assert [name for name, _ in phases] == names, phases
         durations = [float(d) for _, d in phases]
         assert all(d >= 0 for d in durations) and sum(durations) < wall_ms, (durations, wall_ms)
