@@ -152,6 +152,13 @@ def row(name, shape, dtype, xs, kernel_p50=None, nbytes=None, note="") -> dict:
     }
 
 
+def split_note(xs: list[float], phases: dict[str, list[float]]) -> str:
+    """The server's Server-Timing medians and what the call took beyond their sum."""
+    split = ", ".join(f"{name} {pct(ds, 50):.3f}" for name, ds in phases.items())
+    outside = 1e3 * pct(xs, 50) - sum(pct(ds, 50) for ds in phases.values())
+    return f"server p50 ms: {split}; outside the handler (uvicorn, sockets, client) ~{outside:.3f}"
+
+
 def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
     rows = []
     small = tensors(SMALL, torch.float16)
@@ -164,13 +171,8 @@ def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
         st_body = st.save(small)
         phases: dict[str, list[float]] = {}
         xs, _ = http_times(http, st_body, "application/x-safetensors", iters, phases)
-        split = ", ".join(f"{name} {pct(ds, 50):.3f}" for name, ds in phases.items())
-        outside = 1e3 * pct(xs, 50) - sum(pct(ds, 50) for ds in phases.values())
-        rows.append(
-            row("small safetensors", SMALL, "fp16", xs, k_small,
-                note=f"{len(st_body) / 1024:.0f} KiB in; server p50 ms: {split}; "
-                f"outside the handler (uvicorn, sockets, client) ~{outside:.3f}")
-        )  # fmt: skip
+        rows.append(row("small safetensors", SMALL, "fp16", xs, k_small,
+                        note=f"{len(st_body) / 1024:.0f} KiB in; {split_note(xs, phases)}"))  # fmt: skip
         rows.append(row("small AttentionClient", SMALL, "fp16", client_times(url, small, iters), k_small))
         for enc in ("base64", "lists"):
             body = _json_body(small if enc == "base64" else {n: t.float() for n, t in small.items()}, enc)
@@ -204,7 +206,8 @@ def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
             ("large safetensors", st.save(large), "application/x-safetensors"),
             ("large JSON base64", _json_body(large, "base64"), "application/json"),
         ):
-            xs, out_size = http_times(http, body, ctype, large_iters)
+            phases = {}
+            xs, out_size = http_times(http, body, ctype, large_iters, phases)
             rows.append(
                 row(
                     name,
@@ -213,7 +216,7 @@ def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
                     xs,
                     pct(k_large, 50),
                     nbytes=len(body) + out_size,
-                    note=f"{len(body) / 2**20:.0f} MiB in, {out_size / 2**20:.0f} MiB out",
+                    note=f"{len(body) / 2**20:.0f} MiB in, {out_size / 2**20:.0f} MiB out; {split_note(xs, phases)}",
                 )
             )
     finally:
