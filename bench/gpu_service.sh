@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine script: the service's GPU tests and benchmarks in one call, results under $OUT.
-#   bash bench/gpu_service.sh [tests,profile,engine,http,grpc,loadtest]   (default: all but loadtest)
+#   bash bench/gpu_service.sh [tests,profile,engine,http,grpc,diag,loadtest]   (default: all but diag, loadtest)
 # Expects the wheels of .whl/ (../shared/tools/device-wheels.sh) carried beside the checkout.
 # GPU_TESTS adds test paths to the GPU test step (pytest -m gpu ...), e.g.
 #   GPU_TESTS="tests/test_triton_forward.py tests/test_backward.py"; a -k given there filters every
@@ -28,7 +28,8 @@ if has profile; then
 fi
 if has engine; then
   t engine
-  timeout 240 python3 -m bench.service engine --seconds 2 --write "$OUT/service.md" 2>&1 | tail -20
+  timeout 240 python3 -m bench.service engine --only "${ENGINE_ONLY:-small,large,multi}" --seconds 2 \
+    --write "$OUT/service.md" 2>&1 | tail -20
 fi
 if has http; then
   t http
@@ -38,6 +39,10 @@ fi
 if has grpc; then
   t grpc
   timeout 120 python3 -m bench.grpc_latency --iters 500 --stream-calls 3000 2>&1 | tail -14 | tee "$OUT/grpc.txt"
+fi
+if has diag; then
+  t diag
+  timeout 120 python3 -m bench.diag_latency --iters 200 2>&1 | tail -20 | tee "$OUT/diag.txt"
 fi
 if has loadtest; then
   t loadtest
