@@ -2,12 +2,15 @@
 
     python -m loadtest.report DIR [--out OUTDIR]
     python -m loadtest.report --from-csv results.csv --out OUTDIR   # re-plot a table
+    python -m loadtest.report --memory soak_memory.csv --out OUTDIR # plot a soak's memory series
 
 Reads DIR/**/*_summary.json (or, with --from-csv, a results.csv this module wrote: e.g. when only
 the table came back from a GPU host); writes OUTDIR/results.md (markdown table), OUTDIR/results.csv
 and, when matplotlib is importable (``make install`` brings it; the GPU image lacks it),
 OUTDIR/<mix>_throughput.png and <mix>_p99.png (one line per transport and batching setting,
-against users). OUTDIR defaults to DIR.
+against users), and <tag>_memory.png for each
+``--sample-memory`` series found (DIR/**/*_memory.csv, or --memory): MiB against time. OUTDIR
+defaults to DIR.
 """
 
 from __future__ import annotations
@@ -107,16 +110,57 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def memory_plot(path: Path, out: Path) -> Path | None:
+    """A ``loadtest.run --sample-memory`` CSV (time_s, source, metric, value in bytes) as one line
+    per series, MiB against seconds: ``out/<tag>_memory.png``. Totals (flat by nature) are left out."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    series: dict[str, list[tuple[float, float]]] = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if "total" in r["metric"]:
+                continue
+            source = f"server pid {r['source']}" if r["source"].isdigit() else r["source"]
+            series.setdefault(f"{r['metric']} ({source})", []).append((float(r["time_s"]), float(r["value"]) / 2**20))
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in sorted(series.items()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"attnserve memory, {path.name.removesuffix('_memory.csv')}")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    target = out / path.name.replace("_memory.csv", "_memory.png")
+    fig.tight_layout()
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+    return target
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m loadtest.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("directory", type=Path, nargs="?", help="where the runs' *_summary.json files are")
     ap.add_argument("--from-csv", type=Path, default=None, help="a results.csv to re-tabulate and re-plot")
+    ap.add_argument("--memory", type=Path, action="append", default=[],
+                    help="a *_memory.csv to plot (repeatable); alone, only the plots are made")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    if (a.directory is None) == (a.from_csv is None):
-        ap.error("give either DIR or --from-csv")
-    out = a.out or a.directory or a.from_csv.parent
+    if a.directory is not None and a.from_csv is not None or not (a.directory or a.from_csv or a.memory):
+        ap.error("give DIR or --from-csv (or only --memory)")
+    out = a.out or a.directory or (a.from_csv or a.memory[0]).parent
     out.mkdir(parents=True, exist_ok=True)
+    memory = [*a.memory, *(sorted(a.directory.rglob("*_memory.csv")) if a.directory else [])]
+    plotted = [p for p in (memory_plot(m, out) for m in memory) if p is not None]
+    if a.directory is None and a.from_csv is None:
+        print("wrote " + ", ".join(map(str, plotted)))
+        return
     rows = load(a.directory) if a.from_csv is None else load_csv(a.from_csv)
     (out / "results.md").write_text(markdown(rows))
     if a.from_csv is None or a.from_csv.resolve() != (out / "results.csv").resolve():
@@ -124,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             w = csv.DictWriter(f, fieldnames=[*COLUMNS, "tag"])
             w.writeheader()
             w.writerows(rows)
-    written = plots(rows, out)
+    written = plots(rows, out) + plotted
     print(markdown(rows))
     print(f"wrote {out / 'results.md'}, {out / 'results.csv'}" + "".join(f", {p}" for p in written))
 

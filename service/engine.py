@@ -34,7 +34,15 @@ from .errors import BadRequest, NotFound, PayloadTooLarge, ServiceError, Unavail
 from .metrics import Metrics
 from .settings import Settings
 from .types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
-from .worker import Worker, attention_memory, layer_memory, parse_dtypes, parse_shapes, resolve_devices
+from .worker import (
+    Worker,
+    attention_memory,
+    layer_memory,
+    parse_dtypes,
+    parse_shapes,
+    release_pinned_memory,
+    resolve_devices,
+)
 
 log = logging.getLogger("attnserve.engine")
 
@@ -211,6 +219,12 @@ class Engine:
         flops = 8.0 * b * n * h * h + 4.0 * b * n * n * h  # q/k/v/o projections + attention
         pending = Pending(req, key, tokens=b * n, memory=memory, io_bytes=io_bytes, flops=flops, kind="layer")
         return await self._submit(pending)
+
+    def release_cached_host_memory(self) -> None:
+        """Free the pinned host buffers torch keeps cached for the GPU workers' staging (when
+        idle: freeing pinned memory waits for the device)."""
+        if any(w.device.type == "cuda" for w in self.workers):
+            release_pinned_memory()
 
     def layer_infos(self) -> list:
         return [layer.info for layer in self._layers.values()]

@@ -59,6 +59,7 @@ def test_smoke_every_user_zero_failures(server, tmp_path):
     report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
     table = (tmp_path / "rep" / "results.md").read_text()
     assert "| small | st+json+oip+grpc |" in table and (tmp_path / "rep" / "small_throughput.png").stat().st_size
+    assert (tmp_path / "rep" / "t_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the RSS series
     report.main(["--from-csv", str(tmp_path / "rep" / "results.csv"), "--out", str(tmp_path / "again")])
     assert (tmp_path / "again" / "results.md").read_text() == table
     assert (tmp_path / "again" / "small_p99.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
