@@ -26,7 +26,8 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-python3}
 OUT=${OUT:-reports/gpu_bench}
-MODE=${1:-all}                       # all | matrix | soak
+MODE=${1:-all}                       # all | matrix | soak | soak-cells (the soak, then the matrix's
+                                     # cells with batching on, on the same server)
 CELL_S=${CELL_S:-8}                  # seconds per cell
 PREFILL_CELL_S=${PREFILL_CELL_S:-45} # seconds per prefill cell: a 128 MiB call takes seconds under load,
                                      # and 10 s cells at 256 users finished no request (H200, 2026-11-30)
@@ -143,7 +144,8 @@ case "$MODE" in
   all)    start_server off; matrix off; stop_server; start_server on; matrix on; soak ;;
   matrix) start_server off; matrix off; stop_server; start_server on; matrix on ;;
   soak)   start_server on; soak ;;
-  *) echo "usage: $0 [all|matrix|soak]"; exit 2 ;;
+  soak-cells) start_server on; soak; matrix on ;;  # then cells on the same server (batching on)
+  *) echo "usage: $0 [all|matrix|soak|soak-cells]"; exit 2 ;;
 esac
 stop_server
 

@@ -7,7 +7,14 @@
 #                                                # for the soak's report, copies a few files to $OUT
 #
 # SOAK_S (615), BUDGET_S (840), SOAK_USERS (128), SOAK_MIX (mixed), SERVER_ARGS, IDLE_S pass through to
-# gpu_bench.sh. The two calls take ~13 minutes of device time.
+# gpu_bench.sh. The two calls take ~13 minutes of device time. SOAK_MODE=soak-cells runs cells of the
+# matrix after the soak on the same server (MIXES, USERS, TRANSPORTS, PREFILL_CELL_S; give them
+# BUDGET_S and WAIT_TRIES to match), e.g. the prefill mix at 256 users, ~19 minutes in all:
+#   SOAK_MODE=soak-cells MIXES=prefill USERS=256 PREFILL_CELL_S=150 BUDGET_S=1150 \
+#     SERVER_ARGS="--device cuda --request-timeout-ms 600000" bash loadtest/gpu_soak.sh start
+#   WAIT_TRIES=110 bash loadtest/gpu_soak.sh collect
+# (a round of 256 prefill calls takes ~90 s or more: the default 60 s request timeout would fail
+# calls that only waited their turn).
 # Only a few files come back (a call returns a limited number: a whole cells/ folder lost the
 # memory series on 2026-11-30): results.md/.csv, the plots, bench.log, *_memory.csv, *_summary.json.
 set -euo pipefail
@@ -23,7 +30,7 @@ case "${1:-}" in
     # BUDGET_S counts from gpu_bench.sh's start, server start-up included: 720 cut a 615 s soak to
     # 559 s on 2026-11-30 (the server took ~140 s to start and warm), under the 10 minutes asked for.
     SOAK_S=${SOAK_S:-615} BUDGET_S=${BUDGET_S:-840} OUT="$DIR" \
-      setsid nohup bash loadtest/gpu_bench.sh soak > "$DIR.log" 2>&1 < /dev/null &
+      setsid nohup bash loadtest/gpu_bench.sh "${SOAK_MODE:-soak}" > "$DIR.log" 2>&1 < /dev/null &
     sleep "${HOLD_S:-570}"
     tail -5 "$DIR/bench.log" 2>/dev/null || tail -20 "$DIR.log"
     ;;

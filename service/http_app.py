@@ -440,9 +440,9 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         result = await engine.attend(req)
         timing.engine(result.stamps)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
-        content, media = await wire.offload(big, wire.encode_result, tensors, encoding)
+        content, media = await wire.offload(big and encoding != "safetensors", wire.encode_result, tensors, encoding)
         timing.mark("encode")
-        return Response(content, media_type=media, headers={"Server-Timing": timing.value()})
+        return wire.respond(content, media, {"Server-Timing": timing.value()})
 
     @app.get("/layers", summary="the loaded model layers")
     async def list_layers() -> dict:
@@ -475,9 +475,11 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         timing.mark("decode")
         result = await engine.call_layer(req)
         timing.engine(result.stamps)
-        content, media = await wire.offload(big, wire.encode_result, {"y": result.y}, encoding)
+        content, media = await wire.offload(
+            big and encoding != "safetensors", wire.encode_result, {"y": result.y}, encoding
+        )
         timing.mark("encode")
-        return Response(content, media_type=media, headers={"Server-Timing": timing.value()})
+        return wire.respond(content, media, {"Server-Timing": timing.value()})
 
     @app.get("/healthz", summary="alive (the process answers)")
     async def healthz() -> dict:

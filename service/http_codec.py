@@ -17,12 +17,13 @@ import base64
 import binascii
 import math
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import orjson
 import torch
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 import kernels
 
@@ -249,6 +250,12 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
 
 def safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> memoryview:
     """Tensors -> one safetensors file, written into a single buffer (one copy of the data)."""
+    return join_parts(safetensors_parts(tensors))
+
+
+def safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[memoryview]:
+    """Tensors -> a safetensors file as buffers: its header, then each tensor's own bytes (views,
+    no copy; they keep their tensors alive)."""
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
     header: dict[str, Any] = {}
     offset = 0
@@ -262,23 +269,55 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> memoryview:
         offset += n
     head = orjson.dumps(header)
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writers do
-    return join_tensor_bytes(struct.pack("<Q", len(head)) + head, tensors.values())
+    return tensor_parts(struct.pack("<Q", len(head)) + head, tensors.values())
 
 
-def join_tensor_bytes(head: bytes, tensors: Iterable[torch.Tensor]) -> memoryview:
-    """``head`` then each tensor's little-endian row-major bytes, written into a single buffer (one
-    copy of the data; a safetensors file, or an OIP response with binary outputs)."""
-    tensors = [t.detach().to("cpu").contiguous() for t in tensors]
-    buf = bytearray(len(head) + sum(t.numel() * t.element_size() for t in tensors))
-    buf[: len(head)] = head
-    out = memoryview(buf)
-    pos = len(head)
+def tensor_parts(head: bytes, tensors: Iterable[torch.Tensor]) -> list[memoryview]:
+    """``head``, then each tensor's little-endian row-major bytes as a view of its own memory (a
+    safetensors file, or an OIP response with binary outputs, without copying the data)."""
+    parts = [memoryview(head)]
     for t in tensors:
-        n = t.numel() * t.element_size()
-        if n:
-            out[pos : pos + n] = t.reshape(-1).view(torch.uint8).numpy()
-        pos += n
+        t = t.detach().to("cpu").contiguous()
+        if t.numel():
+            parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return parts
+
+
+def join_parts(parts: Iterable[memoryview | bytes]) -> memoryview:
+    """The buffers ``parts`` joined into one (one copy of the data)."""
+    parts = list(parts)
+    buf = bytearray(sum(len(p) for p in parts))
+    out, pos = memoryview(buf), 0
+    for p in parts:
+        out[pos : pos + len(p)] = p
+        pos += len(p)
     return out
+
+
+class PartsResponse(Response):
+    """A response whose body is sent as several buffers, never joined: a tensor's bytes go from
+    its own memory to the socket (the event loop keeps a view of what the socket has not taken).
+    Joining a 64 MiB answer into one buffer took 17-19 ms on the H200 host (2026-11-30)."""
+
+    def __init__(self, parts: Sequence[memoryview | bytes], media_type: str | None, headers: Mapping[str, str]):
+        self.parts = [p for p in parts if len(p)]
+        length = sum(len(p) for p in self.parts)
+        super().__init__(b"", media_type=media_type, headers={**headers, "content-length": str(length)})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self.parts) - 1
+        for i, part in enumerate(self.parts or [b""]):
+            await send({"type": "http.response.body", "body": part, "more_body": i < last})
+
+
+def respond(
+    body: Sequence[memoryview] | bytes | memoryview, media_type: str | None, headers: Mapping[str, str]
+) -> Response:
+    """A response for ``encode_result``'s body: buffers to send in turn, or one document."""
+    if isinstance(body, list):
+        return PartsResponse(body, media_type, headers)
+    return Response(body, media_type=media_type, headers=dict(headers))
 
 
 # ---------------------------------------------------------------- JSON tensors
@@ -523,8 +562,9 @@ def decode_layer(
     return req, encoding
 
 
-def encode_result(tensors: Mapping[str, torch.Tensor], encoding: str) -> tuple[bytes | memoryview, str]:
-    """Result tensors -> (body, media type) in the encoding the request came in."""
+def encode_result(tensors: Mapping[str, torch.Tensor], encoding: str) -> tuple[list[memoryview] | bytes, str]:
+    """Result tensors -> (body, media type) in the encoding the request came in: safetensors as
+    buffers to send one after another (``PartsResponse``), JSON as one document."""
     if encoding == "safetensors":
-        return safetensors_bytes(tensors), SAFETENSORS
+        return safetensors_parts(tensors), SAFETENSORS
     return encode_json(tensors, encoding), JSON

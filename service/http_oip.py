@@ -275,8 +275,9 @@ def decode_layer(
 
 def encode_response(
     model: str, doc: dict, outputs: Mapping[str, torch.Tensor], wanted: dict[str, bool]
-) -> tuple[bytes | memoryview, dict[str, str]]:
-    """(body, headers): JSON, followed by the binary outputs when any is asked for as binary."""
+) -> tuple[bytes | list[memoryview], dict[str, str]]:
+    """(body, headers): JSON, followed by the binary outputs when any is asked for as binary (then
+    as buffers to send in turn: the JSON header, each output's own bytes)."""
     entries, blobs = [], []
     for name, binary in wanted.items():
         t = outputs[name].detach().to("cpu").contiguous()
@@ -293,7 +294,7 @@ def encode_response(
     head = orjson.dumps(resp, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return head, {"content-type": "application/json"}
-    return wire.join_tensor_bytes(head, blobs), {  # the tensors' bytes are copied once, here
+    return wire.tensor_parts(head, blobs), {  # the tensors' bytes are sent from their own memory
         "content-type": "application/octet-stream",
         "Inference-Header-Content-Length": str(len(head)),
     }
@@ -379,6 +380,6 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
             result = await engine.call_layer(req)
             outputs = {"y": result.y}
         content, headers = await wire.offload(big, encode_response, model, doc, outputs, wanted)
-        return Response(content, headers=headers)
+        return wire.respond(content, None, headers)
 
     return router

@@ -699,3 +699,22 @@ def test_server_timing_header(http):
         assert [name for name, _ in phases] == names, phases
         durations = [float(d) for _, d in phases]
         assert all(d >= 0 for d in durations) and sum(durations) < wall_ms, (durations, wall_ms)
+
+
+def test_safetensors_answer_is_sent_from_the_tensors_own_memory():
+    """An answer goes out as buffers (header, then each tensor's bytes, views of its memory):
+    together they are exactly the safetensors file, empty tensors included; the views do not copy."""
+    from service import http_codec as wire
+
+    tensors = {
+        "o": torch.randn(2, 3, 5, 8).to(torch.bfloat16),
+        "lse": torch.randn(2, 3, 5),
+        "none": torch.empty(0, 4),
+    }
+    parts = wire.safetensors_parts(tensors)
+    assert len(parts) == 3  # the header, o, lse; the empty tensor has no bytes to send
+    assert parts[1].obj is not None and torch.frombuffer(parts[1], dtype=torch.bfloat16).data_ptr() == \
+        tensors["o"].data_ptr()
+    loaded = st.load(bytes(wire.join_parts(parts)))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
