@@ -159,7 +159,7 @@ def split_note(xs: list[float], phases: dict[str, list[float]]) -> str:
     return f"server p50 ms: {split}; outside the handler (uvicorn, sockets, client) ~{outside:.3f}"
 
 
-def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
+def measure(url: str, device: str, iters: int, large_iters: int, small_only: bool = False) -> list[dict]:
     rows = []
     small = tensors(SMALL, torch.float16)
     k_times = kernel_times(SMALL, torch.float16, device, iters)
@@ -173,6 +173,8 @@ def measure(url: str, device: str, iters: int, large_iters: int) -> list[dict]:
         xs, _ = http_times(http, st_body, "application/x-safetensors", iters, phases)
         rows.append(row("small safetensors", SMALL, "fp16", xs, k_small,
                         note=f"{len(st_body) / 1024:.0f} KiB in; {split_note(xs, phases)}"))  # fmt: skip
+        if small_only:
+            return rows
         rows.append(row("small AttentionClient", SMALL, "fp16", client_times(url, small, iters), k_small))
         for enc in ("base64", "lists"):
             body = _json_body(small if enc == "base64" else {n: t.float() for n, t in small.items()}, enc)
@@ -308,13 +310,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--iters", type=int, default=300, help="calls per small row")
     parser.add_argument("--large-iters", type=int, default=10 if HAS_CUDA else 3, help="calls per large row")
+    parser.add_argument("--small-only", action="store_true",
+                        help="only the kernel and small safetensors rows (for sweeps of server settings)")
     parser.add_argument("--write", type=Path, default=None, help="update this markdown file's HTTP section")
 
 
 def run(args: argparse.Namespace, command: str) -> str:
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(local_server(args.device))
-        text = render(measure(url, args.device, args.iters, args.large_iters), command)
+        text = render(measure(url, args.device, args.iters, args.large_iters, args.small_only), command)
     print(text)
     if args.write:
         write_section(args.write, text)
