@@ -108,9 +108,10 @@ class ServerTiming:
 
     def engine(self, stamps: tuple[float, float, float] | None) -> None:
         """The engine's time, split by a result's ``stamps``: ``queue`` (validation and the
-        batcher, until a worker takes the launch), ``launch`` (the worker's thread: staging, copies
-        and the kernel enqueued), ``device`` (waiting for the device, answers split), ``return``
-        (back on the event loop, to this handler). They sum to the engine's whole time."""
+        batcher, until a worker takes the launch), ``launch`` (the worker's launcher thread, or the
+        loop with ``--inline-launch-kib``: staging, copies and the kernel enqueued), ``device``
+        (waiting for the device, answers split), ``return`` (back on the event loop, to this
+        handler). They sum to the engine's whole time."""
         if stamps is None:
             self.mark("engine")
             return
