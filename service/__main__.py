@@ -15,4 +15,4 @@ if __name__ == "__main__":
             f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()
         )
         build_parser().error(problems)
-    main(settings)
+    main(settings, sys.argv[1:])

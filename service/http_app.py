@@ -19,7 +19,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,6 +28,7 @@ from . import http_codec as wire
 from .auth import check_api_key
 from .codec import DTYPE_NAMES, ServerTiming
 from .errors import BadRequest, ServiceError, Unavailable
+from .metrics import render as render_metrics
 from .settings import Settings
 
 log = logging.getLogger("attnserve.http")
@@ -497,11 +498,11 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
 
     @app.get("/metrics", summary="Prometheus text format", response_class=Response)
     async def prometheus() -> Response:
-        parts = [generate_latest(metrics.registry)]
-        engine_registry = getattr(engine, "metrics_registry", None)
-        if engine_registry is not None:
-            parts.insert(0, generate_latest(engine_registry))
-        return Response(b"".join(parts), media_type=CONTENT_TYPE_LATEST)
+        refresh = getattr(getattr(engine, "metrics", None), "refresh", None)
+        if refresh is not None:  # this process's sampled gauges, fresh (under --processes)
+            refresh()
+        registries = [r for r in (getattr(engine, "metrics_registry", None), metrics.registry) if r is not None]
+        return Response(render_metrics(*registries), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(create_router(engine, settings))
 

@@ -3,11 +3,21 @@
 The engine owns one ``CollectorRegistry`` (``engine.metrics_registry``); the HTTP ``/metrics`` route
 renders it with ``prometheus_client.generate_latest(engine.metrics_registry)``. A private registry
 (not the global one) keeps several engines in one process (tests) from colliding.
+
+Under ``--processes`` (``PROMETHEUS_MULTIPROC_DIR`` set before this module is imported) every value
+lives in a file of that folder, ``render`` sums them over the processes, and the gauges read from
+callables are set by ``refresh`` (each process every second, and at a scrape), because a process
+cannot call another's callables.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 # 100 µs .. 60 s in 1-2.5-5 steps
 _TIME_BUCKETS = tuple(x * s for s in (1e-4, 1e-3, 1e-2, 1e-1, 1.0) for x in (1, 2.5, 5)) + (10.0, 30.0, 60.0)
@@ -33,11 +43,13 @@ class Metrics:
             "attnserve_inference_queue_depth",
             "Requests waiting in the batcher (not yet launched)",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.pending = Gauge(
             "attnserve_inference_pending_requests",
-            "Requests held: queued or running (bounded by --max-queue-size)",
+            "Requests held: queued or running (bounded by --max-queue-size of each process)",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue_duration = Histogram(
             "attnserve_inference_queue_duration_seconds",
@@ -81,13 +93,17 @@ class Metrics:
             "Device memory held by tensors (torch.cuda.memory_allocated)",
             ["device"],
             registry=r,
+            multiprocess_mode="livesum",  # processes that share a device: their sum
         )
         self.memory_total = Gauge(
-            "attnserve_gpu_memory_total_bytes", "Device memory of the card", ["device"], registry=r
+            "attnserve_gpu_memory_total_bytes", "Device memory of the card", ["device"], registry=r,
+            multiprocess_mode="livemax",
         )
         self.ready = Gauge(
-            "attnserve_ready", "1 when every worker is warm and the engine is not draining", registry=r
+            "attnserve_ready", "1 when every worker is warm and the engine is not draining (under "
+            "--processes: in every process)", registry=r, multiprocess_mode="livemin",
         )
+        self._sampled: list[tuple[Gauge, Callable[[], float]]] = []  # set by refresh (multiprocess)
 
         # Label children looked up once: ``labels()`` costs more than the observation itself.
         kinds = ("attention", "layer")
@@ -103,15 +119,38 @@ class Metrics:
             child = self._failure_of[kind, reason] = self.failure.labels(kind, reason)
         child.inc()
 
+    def _sample(self, gauge: Gauge, fn: Callable[[], float]) -> None:
+        # multiprocess: read from the first refresh on (not now: the owner may be under construction)
+        if MULTIPROCESS:
+            self._sampled.append((gauge, fn))
+        else:
+            gauge.set_function(fn)
+
+    def refresh(self) -> None:
+        """Set the sampled gauges now (multiprocess only: otherwise they are read at each scrape)."""
+        for gauge, fn in self._sampled:
+            gauge.set(fn())
+
     def track_queue(self, queued, held) -> None:
         """Read the batcher's counts (callables) at each scrape instead of setting them per request."""
-        self.queue_depth.set_function(queued)
-        self.pending.set_function(held)
+        self._sample(self.queue_depth, queued)
+        self._sample(self.pending, held)
 
     def track_device_memory(self, device: str) -> None:
         """Sample a CUDA device's memory at each scrape (no polling thread)."""
         import torch
 
         index = torch.device(device).index or 0
-        self.memory_used.labels(device).set_function(lambda: torch.cuda.memory_allocated(index))
+        self._sample(self.memory_used.labels(device), lambda: torch.cuda.memory_allocated(index))
         self.memory_total.labels(device).set(torch.cuda.get_device_properties(index).total_memory)
+
+
+def render(*registries: CollectorRegistry) -> bytes:
+    """Prometheus text of ``registries`` (one process), or under ``--processes`` of every process."""
+    if MULTIPROCESS:
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return generate_latest(merged)
+    return b"".join(generate_latest(r) for r in registries)

@@ -13,7 +13,9 @@ import contextlib
 import ctypes
 import logging
 import signal
+import socket
 import sys
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -23,10 +25,10 @@ from .settings import Settings
 log = logging.getLogger("attnserve")
 
 
-async def _serve_http(http: uvicorn.Server) -> bool:
+async def _serve_http(http: uvicorn.Server, sockets: list[socket.socket] | None = None) -> bool:
     """Run uvicorn; False when it could not start (it calls sys.exit on a port it cannot bind)."""
     try:
-        await http.serve()
+        await http.serve(sockets=sockets)
     except SystemExit:
         return False
     return http.started
@@ -99,6 +101,21 @@ async def trim_heap_when_idle(engine: Engine, idle_s: float) -> None:
         seen = now
 
 
+def metrics_shared() -> bool:
+    """Whether this process's metrics are summed with others' (under ``--processes``)."""
+    from .metrics import MULTIPROCESS
+
+    return MULTIPROCESS
+
+
+async def refresh_metrics(engine: Engine, every_s: float = 1.0) -> None:
+    """Under ``--processes``: set this process's sampled gauges (queue depth, device memory) every
+    ``every_s``, so that a scrape answered by another process sees them."""
+    while True:
+        engine.metrics.refresh()
+        await asyncio.sleep(every_s)
+
+
 async def serve(settings: Settings) -> int:
     """Serve until a signal (or a failure); the process exit code."""
     from .http_app import create_app
@@ -137,9 +154,12 @@ async def serve(settings: Settings) -> int:
     if grpc_server is not None:
         await grpc_server.start()
         log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
-    http_task = asyncio.create_task(_serve_http(http))
+    # under --processes the supervisor bound the port: accept on its socket, shared with the others
+    sockets = None if settings.http_fd is None else [socket.socket(fileno=settings.http_fd)]
+    http_task = asyncio.create_task(_serve_http(http, sockets))
     start_task = asyncio.create_task(engine.start())
     stop_task = asyncio.create_task(stop.wait())
+    refresh_task = asyncio.create_task(refresh_metrics(engine)) if metrics_shared() else None
     trim_task = None
     if reusing and settings.memory_trim_idle_s > 0:
         trim_task = asyncio.create_task(trim_heap_when_idle(engine, settings.memory_trim_idle_s))
@@ -159,8 +179,9 @@ async def serve(settings: Settings) -> int:
 
     log.info("shutting down: draining held requests")
     stop_task.cancel()
-    if trim_task is not None:
-        trim_task.cancel()
+    for task in (trim_task, refresh_task):
+        if task is not None:
+            task.cancel()
     if not start_task.done():  # stopped while warming up: nothing was accepted yet
         start_task.cancel()
         await asyncio.gather(start_task, return_exceptions=True)
@@ -175,8 +196,16 @@ async def serve(settings: Settings) -> int:
     return exit_code
 
 
-def main(settings: Settings) -> None:
+def main(settings: Settings, argv: Sequence[str] = ()) -> None:
+    """Serve in this process, or with ``--processes`` above 1 start that many (``argv``: the
+    command line they are given, with their own devices and the shared HTTP socket)."""
+    several = settings.processes > 1 or settings.http_fd is not None
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s " + ("[%(process)d] " if several else "") + "%(name)s: %(message)s",
     )
+    if settings.processes > 1:
+        from .processes import supervise
+
+        sys.exit(supervise(settings, argv))
     sys.exit(asyncio.run(serve(settings)))

@@ -23,6 +23,16 @@ class Settings(BaseSettings):
     grpc_port: int = Field(
         8001, ge=0, le=65535, description="gRPC port (attention.v1 and inference.GRPCInferenceService); 0 disables"
     )
+    processes: int = Field(
+        1, ge=1,
+        description="server processes behind the same HTTP and gRPC ports, the devices dealt out among "
+        "them (docs/deploy.md): each has its own event loop, so more processes answer more requests "
+        "when the host side is the limit",
+    )
+    http_fd: int | None = Field(
+        None, ge=0, description="accept HTTP on this inherited listening socket instead of binding "
+        "--http-port (set by --processes for the processes it starts)",
+    )
     device: str = Field(
         "auto",
         description="'auto' (every visible GPU, else the CPU), 'cpu', 'cuda', "

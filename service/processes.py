@@ -1,0 +1,120 @@
+"""``--processes N``: N server processes behind the same HTTP and gRPC ports.
+
+One process serves every request through one event loop and one GIL; that loop, not the GPU, bounds
+what the service answers (docs/benchmarks/service.md: ~17 mixed requests/s on two H200s at 128
+users, 0.06 TFLOP/s). With N processes each has its own loop, engine and batcher:
+
+- the devices are dealt out: with N <= the device count, process i gets devices i, i+N, ...;
+  with more processes than devices, process i shares device i mod count with the others dealt it;
+- this supervisor binds the HTTP port once and each process accepts on that socket (inherited), so
+  the kernel spreads connections over them; each binds the gRPC port itself (grpc sets
+  SO_REUSEPORT), and the kernel spreads channels;
+- Prometheus series are kept per process in files of a private folder
+  (``PROMETHEUS_MULTIPROC_DIR``) and ``/metrics`` of any process sums them over all;
+- SIGTERM/SIGINT go on to every process, each drains as a lone server does; if one process exits
+  by itself, the others are stopped and the supervisor exits with its code.
+
+What is per process: the batcher (requests batch only with others that reached the same process),
+``/readyz`` (the process that answers), ``--max-queue-size``. A gRPC channel or an HTTP keep-alive
+connection stays on one process: spread load over several connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from .settings import Settings
+
+log = logging.getLogger("attnserve.processes")
+
+POLL_S = 0.2
+
+
+def deal_devices(devices: Sequence[str], processes: int) -> list[str]:
+    """The ``--device`` value of each of ``processes`` processes, e.g. (["cuda:0", "cuda:1"], 2) ->
+    ["cuda:0", "cuda:1"]; (["cuda:0", "cuda:1"], 1) -> ["cuda:0,cuda:1"]; (["cpu"], 3) -> ["cpu"] * 3."""
+    if processes <= len(devices):
+        return [",".join(devices[i::processes]) for i in range(processes)]
+    return [devices[i % len(devices)] for i in range(processes)]
+
+
+def supervise(settings: Settings, argv: Sequence[str]) -> int:
+    """Start ``settings.processes`` servers (``python -m service`` with ``argv`` and this process's
+    share of the devices), forward signals, wait; the exit code (0 after a clean stop)."""
+    from .worker import resolve_devices
+
+    try:
+        devices = [str(d) for d in resolve_devices(settings.device)]
+    except ValueError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    try:
+        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+        listener = socket.create_server((settings.host, settings.http_port), family=family, backlog=2048)
+    except OSError as exc:
+        log.error("cannot bind HTTP %s:%d: %s", settings.host, settings.http_port, exc)
+        return 1
+    listener.set_inheritable(True)
+    metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    stopping = False
+    children: list[subprocess.Popen] = []
+
+    def stop(*_) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
+    try:
+        for i, share in enumerate(deal_devices(devices, settings.processes)):
+            cmd = [sys.executable, "-m", "service", *argv,
+                   "--processes", "1", "--device", share, "--http-fd", str(listener.fileno())]
+            children.append(subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),)))
+            log.info("process %d (pid %d) on %s", i, children[-1].pid, share)
+        log.info("%d processes serving HTTP on %s:%d%s", len(children), settings.host, settings.http_port,
+                 f" and gRPC on {settings.host}:{settings.grpc_port}" if settings.grpc_port else "")
+        running = list(children)
+        while running:
+            time.sleep(POLL_S)
+            for child in [c for c in running if c.poll() is not None]:
+                running.remove(child)
+                _process_dead(child.pid, metrics_dir)
+                if not stopping:
+                    log.error("process pid %d exited with code %d; stopping the others", child.pid,
+                              child.returncode)
+                    code = child.returncode if child.returncode > 0 else 1  # killed by a signal: 1
+                    stop()
+                elif child.returncode:
+                    code = code or (child.returncode if child.returncode > 0 else 1)
+        return code
+    finally:
+        stop()
+        for child in children:
+            child.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        listener.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _process_dead(pid: int, metrics_dir: str) -> None:
+    """Drop a finished process's live gauges from the shared metrics (its counters stay counted)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, metrics_dir)
+
+
+__all__ = ["deal_devices", "supervise"]

@@ -1,0 +1,103 @@
+"""--processes N: several server processes behind one HTTP and one gRPC port (service/processes.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import safetensors.torch as st
+import torch
+
+from service.grpc_client import GrpcAttentionClient
+from service.processes import deal_devices
+from tests.conftest import run_server
+from tests.reference64 import attention64
+
+
+def test_devices_are_dealt_out():
+    assert deal_devices(["cuda:0", "cuda:1"], 2) == ["cuda:0", "cuda:1"]
+    assert deal_devices(["cuda:0", "cuda:1"], 1) == ["cuda:0,cuda:1"]
+    assert deal_devices(["cuda:0", "cuda:1", "cuda:2", "cuda:3"], 2) == ["cuda:0,cuda:2", "cuda:1,cuda:3"]
+    assert deal_devices(["cuda:0"], 3) == ["cuda:0"] * 3
+    assert deal_devices(["cuda:0", "cuda:1"], 3) == ["cuda:0", "cuda:1", "cuda:0"]
+
+
+def children(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is ``pid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":\t", 1) for line in f if ":\t" in line)
+            except OSError:
+                continue
+            if fields.get("PPid", "").strip() == str(pid) and fields.get("State", "").strip()[:1] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def post(url: str, body: bytes) -> httpx.Response:
+    """One call on a new connection (so that the kernel may hand it to either process); a process
+    still warming up answers 503: retry it."""
+    for _ in range(100):
+        r = httpx.post(url + "/attention", content=body, timeout=60,
+                       headers={"content-type": "application/x-safetensors"})
+        if r.status_code != 503:
+            return r
+        time.sleep(0.1)
+    return r
+
+
+def success_count(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    series = 'attnserve_inference_request_success_total{kind="attention"}'
+    line = next(x for x in text.splitlines() if x.startswith(series))
+    return float(line.split()[-1])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_two_processes_share_the_ports_and_their_metrics(tmp_path):
+    """Two CPU processes: calls over new HTTP connections and new gRPC channels are all answered
+    right; every scrape, whichever process answers it, counts every call; SIGTERM stops them all."""
+    with run_server(tmp_path, "--processes", "2", "--warmup-shapes", "1x1x8x8") as srv:
+        workers = children(srv.proc.pid)
+        assert len(workers) == 2, srv.log()
+        calls = 0
+        g = torch.Generator().manual_seed(0)
+        for i in range(16):
+            q, k, v = (torch.randn(1, 2, 8 + i, 16, generator=g) for _ in range(3))
+            r = post(srv.url, st.save({"q": q, "k": k, "v": v}))
+            assert r.status_code == 200, r.text
+            assert torch.allclose(st.load(r.content)["o"].double(), attention64(q, k, v)[0], atol=1e-5)
+            calls += 1
+        for _ in range(4):
+            q, k, v = (torch.randn(1, 2, 5, 16, generator=g) for _ in range(3))
+            with GrpcAttentionClient(srv.grpc_target) as client:
+                o = client.attention(q, k, v)
+            assert torch.allclose(o.double(), attention64(q, k, v)[0], atol=1e-5)
+            calls += 1
+        time.sleep(1.5)  # both processes' counters are in their files at once; gauges within 1 s
+        assert [success_count(srv.url) for _ in range(8)] == [calls] * 8, srv.log()
+        assert "[" in srv.log() and "processes serving HTTP" in srv.log()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+        assert not any(os.path.exists(f"/proc/{p}") for p in workers)  # drained, exited, reaped
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_process_that_dies_stops_the_others(tmp_path):
+    """If one process exits by itself, the supervisor stops the rest and exits non-zero (so that
+    an orchestrator restarts the whole server)."""
+    with run_server(tmp_path, "--processes", "2", "--warmup-shapes", "1x1x8x8") as srv:
+        first, second = children(srv.proc.pid)
+        os.kill(first, signal.SIGKILL)
+        assert srv.proc.wait(timeout=60) != 0
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{second}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{second}"), "the other process was left running"
+        assert "exited with code" in srv.log()
