@@ -138,7 +138,9 @@ soak() {
   say "server RSS after ${IDLE_S:-25}s idle: $(rss_mib) MiB"
 }
 
-rss_mib() { awk '/^VmRSS/ {print int($2 / 1024)}' "/proc/$SERVER_PID/status" 2>/dev/null || echo "?"; }
+rss_mib() {  # the server and its children (--processes)
+  "$PY" -c "from loadtest.run import _tree_rss; print(int(_tree_rss($SERVER_PID) / 2**20))" 2>/dev/null || echo "?"
+}
 
 case "$MODE" in
   all)    start_server off; matrix off; stop_server; start_server on; matrix on; soak ;;
