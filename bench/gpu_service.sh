@@ -28,7 +28,7 @@ if has profile; then
 fi
 if has engine; then
   t engine
-  timeout 240 python3 -m bench.service engine --only "${ENGINE_ONLY:-small,large,multi}" --seconds 2 \
+  timeout 240 python3 -m bench.service engine --only "${ENGINE_ONLY:-small,large,multi,procs}" --seconds 2 \
     --write "$OUT/service.md" 2>&1 | tail -20
 fi
 if has http; then

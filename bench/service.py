@@ -8,7 +8,9 @@ Engine (in-process), no transport in the way:
       throughput and latency percentiles (target: >= 5x the throughput, p99 <= 2x unbatched p99);
   (b) large: 1x32x8192x128 bf16 requests from host memory: worker throughput vs the kernel's own
       on device-resident inputs (target: >= 95%);
-  (c) multi: the batched small-request run on two GPUs vs one (target: >= 1.9x).
+  (c) multi: the batched small-request run on two GPUs vs one (target: >= 1.9x): one process, a
+      worker per GPU; with ``procs``, also two processes of one GPU each, as ``--processes 2`` serves
+      (each its own engine and 64 submitters, measured over the same seconds; their rates summed).
 Without a GPU the same runs use the CPU and smaller large-request shapes (for a smoke test only).
 With --null-kernel the kernel only allocates its outputs: what is left is the engine's host path
 (validation, batching, staging and copies, futures), i.e. the most any device could give it.
@@ -57,9 +59,11 @@ async def _load(
     submitters: int,
     seconds: float,
     warmup_shapes: str,
+    before_measure=None,
     **overrides,
 ) -> dict:
-    """Closed loop: ``submitters`` coroutines each send one request, await it, send the next."""
+    """Closed loop: ``submitters`` coroutines each send one request, await it, send the next.
+    ``before_measure`` (blocking, run in a thread) is waited for after the warm-up."""
     dtype_name = str(dtype).removeprefix("torch.")
     settings = load_settings(
         ["--device", device, "--warmup-shapes", warmup_shapes, "--warmup-dtypes", dtype_name],
@@ -99,6 +103,8 @@ async def _load(
         )
         return sum(c for c, _ in per_dev), sum(t for _, t in per_dev), queued
 
+    if before_measure is not None:
+        await asyncio.to_thread(before_measure)
     before = totals()
     state["measuring"] = True
     t0 = time.perf_counter()
@@ -174,7 +180,35 @@ def _null_attention(q, k, v, causal=False, scale=None, kv_lengths=None, return_l
     return (o, lse) if return_lse else o
 
 
-def engine_rows(only: set[str], seconds: float) -> list[tuple]:
+def _proc_load(device: str, seconds: float, null_kernel: bool, barrier, results) -> None:
+    """One process of the ``procs`` run: the batched small closed loop on ``device``."""
+    os.environ.pop("TRITON_INTERPRET", None) if not HAS_CUDA else None
+    if null_kernel:
+        kernels.attention = _null_attention
+    small = "x".join(map(str, SMALL))
+    results.put(asyncio.run(_load(device, True, SMALL, torch.float16, 64, seconds, small,
+                                  before_measure=barrier.wait)))
+
+
+def _procs_load(devices: list[str], seconds: float, null_kernel: bool) -> dict:
+    """The batched small closed loop in one process per device, measured over the same window."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(len(devices)), ctx.Queue()
+    procs = [ctx.Process(target=_proc_load, args=(d, seconds, null_kernel, barrier, results)) for d in devices]
+    for p in procs:
+        p.start()
+    outs = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    total = sum(o["req_s"] for o in outs)
+    return {"req_s": total, "p50_ms": max(o["p50_ms"] for o in outs), "p99_ms": max(o["p99_ms"] for o in outs),
+            "mean_batch": sum(o["mean_batch"] * o["req_s"] for o in outs) / total,
+            "queue_ms": max(o["queue_ms"] for o in outs), "launch_ms": max(o["launch_ms"] for o in outs)}
+
+
+def engine_rows(only: set[str], seconds: float, null_kernel: bool = False) -> list[tuple]:
     """The table: (run, devices, batching, shape, dtype, req/s, p50 ms, p99 ms, mean batch, note)."""
     rows: list[tuple] = []
     gpus = torch.cuda.device_count() if HAS_CUDA else 0
@@ -183,7 +217,7 @@ def engine_rows(only: set[str], seconds: float) -> list[tuple]:
     small_warm = "x".join(map(str, SMALL))
     shape_s = "x".join(map(str, SMALL))
     res_on = res_off = None
-    if "small" in only or "multi" in only:
+    if "small" in only or "multi" in only or "procs" in only:
         res_on = asyncio.run(_load(one, True, SMALL, small_dtype, 64, seconds, small_warm))
         run = "(a) small, batched" if "small" in only else "(c) small, batched, 1 device"
         rows.append((run, one, "on", shape_s, "fp16", res_on, ""))
@@ -216,6 +250,15 @@ def engine_rows(only: set[str], seconds: float) -> list[tuple]:
         if gpus < 2:
             note += "; no 2 GPUs here, two CPU workers shown"
         rows.append(("(c) small, batched, 2 devices", two, "on", shape_s, "fp16", res_two, note))
+    if "procs" in only:
+        devices = ["cuda:0", "cuda:1"] if gpus >= 2 else ["cpu", "cpu"]
+        res_procs = _procs_load(devices, seconds, null_kernel)
+        ratio = res_procs["req_s"] / res_on["req_s"]
+        note = (f"{ratio:.2f}x one device (target >= 1.9x): {'met' if ratio >= 1.9 else 'NOT met'}; "
+                "p50/p99: the worse process")
+        if gpus < 2:
+            note += "; no 2 GPUs here, two CPU processes shown"
+        rows.append(("(c) small, batched, 2 processes", " + ".join(devices), "on", shape_s, "fp16", res_procs, note))
     return rows
 
 
@@ -271,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.service", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="section", required=True)
     eng = sub.add_parser("engine", help="the in-process engine: batching, large requests, two GPUs")
-    eng.add_argument("--only", default="small,large,multi", help="comma-separated: small, large, multi")
+    eng.add_argument("--only", default="small,large,multi,procs",
+                     help="comma-separated: small, large, multi, procs")
     eng.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     eng.add_argument("--write", type=Path, default=None, help="update this markdown file's engine section")
     eng.add_argument("--null-kernel", action="store_true",
@@ -290,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for section in args.only.split(","):  # one failing section does not lose the others' numbers
         try:
-            rows += engine_rows({section}, args.seconds)
+            rows += engine_rows({section}, args.seconds, args.null_kernel)
         except Exception as exc:  # noqa: BLE001 - reported in the table
             print(f"section {section} failed: {exc!r}", file=sys.stderr)
             nan = float("nan")
