@@ -10,6 +10,8 @@ Rows:
   kernel                 kernels.attention on --device in this process, inputs already there: the floor.
   small safetensors      1x8x128x64 fp16 POST /attention, one call in flight, body built once:
                          p50/p90/p99 and the p50 *added* above the kernel (HTTP + decode + queue + copies).
+  ... bare socket        the same call written to and read from a socket directly: without the
+                         client library's own time (http.client's ~0.1 ms).
   small AttentionClient  the same through service.client (tensor packing/unpacking included).
   small JSON base64      {"shape","dtype","data": base64} in and out.
   small JSON lists       nested lists in and out (float32 on the wire).
@@ -125,6 +127,41 @@ def http_times(
     return out, size
 
 
+def raw_times(host: str, port: int, body: bytes, ctype: str, iters: int, phases: dict) -> list[float]:
+    """Seconds per POST /attention from a bare socket (the request written once, the answer read
+    into a buffer made once): the server's share without a client library's. On the CPU box
+    http.client cost ~0.12 ms more per small call (2026-11-30)."""
+    head = (f"POST /attention HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    request = head + body
+    buf = bytearray(64 << 20)
+    view = memoryview(buf)
+    out = []
+    with socket.create_connection((host, port), timeout=600) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(iters + 3):
+            t0 = time.perf_counter()
+            s.sendall(request)
+            n = end = 0
+            while (end := buf.find(b"\r\n\r\n", 0, n)) < 0:
+                got = s.recv_into(view[n:])
+                if not got:
+                    raise RuntimeError("the server closed the connection")
+                n += got
+            headers = bytes(buf[:end]).decode("latin-1").lower().split("\r\n")
+            if " 200 " not in headers[0] + " ":
+                raise RuntimeError(f"POST /attention: {headers[0]}")
+            fields = dict(line.split(": ", 1) for line in headers[1:] if ": " in line)
+            length = int(fields["content-length"])
+            while n - end - 4 < length:
+                n += s.recv_into(view[n:])
+            if i >= 3:  # three warm-up calls
+                out.append(time.perf_counter() - t0)
+                for name, dur in ServerTiming.parse(fields.get("server-timing", "")).items():
+                    phases.setdefault(name, []).append(dur)
+    return out
+
+
 def client_times(url: str, ts: dict[str, torch.Tensor], iters: int) -> list[float]:
     with AttentionClient(url) as c:
         for _ in range(3):
@@ -173,6 +210,10 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
         xs, _ = http_times(http, st_body, "application/x-safetensors", iters, phases)
         rows.append(row("small safetensors", SMALL, "fp16", xs, k_small,
                         note=f"{len(st_body) / 1024:.0f} KiB in; {split_note(xs, phases)}"))  # fmt: skip
+        raw_phases: dict[str, list[float]] = {}
+        xs = raw_times(parsed.hostname, parsed.port, st_body, "application/x-safetensors", iters, raw_phases)
+        rows.append(row("small safetensors, bare socket", SMALL, "fp16", xs, k_small,
+                        note=split_note(xs, raw_phases).replace("(uvicorn, sockets, client)", "(uvicorn, sockets)")))
         if small_only:
             return rows
         rows.append(row("small AttentionClient", SMALL, "fp16", client_times(url, small, iters), k_small))
