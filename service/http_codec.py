@@ -248,11 +248,6 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
     return tensors, {k: v for k, v in metadata.items() if k not in SAFETENSORS_IGNORED_METADATA}
 
 
-def safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> memoryview:
-    """Tensors -> one safetensors file, written into a single buffer (one copy of the data)."""
-    return join_parts(safetensors_parts(tensors))
-
-
 def safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[memoryview]:
     """Tensors -> a safetensors file as buffers: its header, then each tensor's own bytes (views,
     no copy; they keep their tensors alive)."""
@@ -281,17 +276,6 @@ def tensor_parts(head: bytes, tensors: Iterable[torch.Tensor]) -> list[memoryvie
         if t.numel():
             parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return parts
-
-
-def join_parts(parts: Iterable[memoryview | bytes]) -> memoryview:
-    """The buffers ``parts`` joined into one (one copy of the data)."""
-    parts = list(parts)
-    buf = bytearray(sum(len(p) for p in parts))
-    out, pos = memoryview(buf), 0
-    for p in parts:
-        out[pos : pos + len(p)] = p
-        pos += len(p)
-    return out
 
 
 class PartsResponse(Response):

@@ -715,6 +715,6 @@ def test_safetensors_answer_is_sent_from_the_tensors_own_memory():
     assert len(parts) == 3  # the header, o, lse; the empty tensor has no bytes to send
     assert parts[1].obj is not None and torch.frombuffer(parts[1], dtype=torch.bfloat16).data_ptr() == \
         tensors["o"].data_ptr()
-    loaded = st.load(bytes(wire.join_parts(parts)))
+    loaded = st.load(b"".join(parts))
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
