@@ -107,7 +107,10 @@ async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -
                 raise too_large
             if expected is not None and end > expected:
                 raise BadRequest("the body is longer than its Content-Length")
-            buf += chunk
+            if not buf and type(chunk) is bytearray:  # handed over, ours now (server.hand_over_request_bodies)
+                buf = chunk
+            else:
+                buf += chunk
     except ClientDisconnect:
         raise BadRequest("the client disconnected before sending the whole body") from None
     if expected is not None and len(buf) != expected:

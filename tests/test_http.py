@@ -718,3 +718,27 @@ def test_safetensors_answer_is_sent_from_the_tensors_own_memory():
     loaded = st.load(b"".join(parts))
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def test_a_body_of_many_chunks_arrives_whole(http):
+    """A body read in many pieces (uvicorn hands each gathered piece over: server.py) is put
+    together in order: a 12 MiB call sent in uneven chunks gives the reference answer."""
+    import uvicorn
+
+    from service.server import UVICORN_HANDING_OVER, hand_over_request_bodies
+
+    assert hand_over_request_bodies() is (uvicorn.__version__ == UVICORN_HANDING_OVER)
+    q = torch.randn(1, 2, 64, 32)
+    k, v = torch.randn(1, 2, 24576, 32), torch.randn(1, 2, 24576, 32)  # 6 MiB each in float32
+    body = st.save({"q": q, "k": k, "v": v})
+
+    def chunks():  # uneven pieces, no Content-Length (chunked transfer encoding)
+        pos, step = 0, 1
+        while pos < len(body):
+            yield body[pos : pos + step]
+            pos, step = pos + step, min(step * 3 + 7, 1 << 20)
+
+    r = http.post("/attention", content=chunks(), timeout=120, headers={"content-type": "application/x-safetensors"})
+    assert r.status_code == 200, r.text
+    o = st.load(r.content)["o"]
+    assert torch.allclose(o.double(), attention64(q, k, v)[0], atol=1e-5)
