@@ -127,19 +127,22 @@ def http_times(
     return out, size
 
 
-def raw_times(host: str, port: int, body: bytes, ctype: str, iters: int, phases: dict) -> list[float]:
+def raw_times(host: str, port: int, body: bytes, ctype: str, iters: int, phases: dict,
+              warmup: int = 3) -> tuple[list[float], int]:
     """Seconds per POST /attention from a bare socket (the request written once, the answer read
     into a buffer made once): the server's share without a client library's. On the CPU box
-    http.client cost ~0.12 ms more per small call (2026-11-30)."""
+    http.client cost ~0.12 ms more per small call (2026-11-30). Returns the times and the answer's
+    size."""
     head = (f"POST /attention HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     request = head + body
-    buf = bytearray(64 << 20)
+    buf = bytearray(len(body) + (1 << 20))  # an attention answer is no bigger than its request
     view = memoryview(buf)
     out = []
+    length = 0
     with socket.create_connection((host, port), timeout=600) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(iters + 3):
+        for i in range(iters + warmup):
             t0 = time.perf_counter()
             s.sendall(request)
             n = end = 0
@@ -155,11 +158,11 @@ def raw_times(host: str, port: int, body: bytes, ctype: str, iters: int, phases:
             length = int(fields["content-length"])
             while n - end - 4 < length:
                 n += s.recv_into(view[n:])
-            if i >= 3:  # three warm-up calls
+            if i >= warmup:
                 out.append(time.perf_counter() - t0)
                 for name, dur in ServerTiming.parse(fields.get("server-timing", "")).items():
                     phases.setdefault(name, []).append(dur)
-    return out
+    return out, length
 
 
 def client_times(url: str, ts: dict[str, torch.Tensor], iters: int) -> list[float]:
@@ -189,11 +192,12 @@ def row(name, shape, dtype, xs, kernel_p50=None, nbytes=None, note="") -> dict:
     }
 
 
-def split_note(xs: list[float], phases: dict[str, list[float]]) -> str:
+def split_note(xs: list[float], phases: dict[str, list[float]], client: bool = True) -> str:
     """The server's Server-Timing medians and what the call took beyond their sum."""
     split = ", ".join(f"{name} {pct(ds, 50):.3f}" for name, ds in phases.items())
     outside = 1e3 * pct(xs, 50) - sum(pct(ds, 50) for ds in phases.values())
-    return f"server p50 ms: {split}; outside the handler (uvicorn, sockets, client) ~{outside:.3f}"
+    return (f"server p50 ms: {split}; outside the handler (uvicorn, sockets{', client' if client else ''}) "
+            f"~{outside:.3f}")
 
 
 def measure(url: str, device: str, iters: int, large_iters: int, small_only: bool = False) -> list[dict]:
@@ -211,9 +215,9 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
         rows.append(row("small safetensors", SMALL, "fp16", xs, k_small,
                         note=f"{len(st_body) / 1024:.0f} KiB in; {split_note(xs, phases)}"))  # fmt: skip
         raw_phases: dict[str, list[float]] = {}
-        xs = raw_times(parsed.hostname, parsed.port, st_body, "application/x-safetensors", iters, raw_phases)
+        xs, _ = raw_times(parsed.hostname, parsed.port, st_body, "application/x-safetensors", iters, raw_phases)
         rows.append(row("small safetensors, bare socket", SMALL, "fp16", xs, k_small,
-                        note=split_note(xs, raw_phases).replace("(uvicorn, sockets, client)", "(uvicorn, sockets)")))
+                        note=split_note(xs, raw_phases, client=False)))
         if small_only:
             return rows
         rows.append(row("small AttentionClient", SMALL, "fp16", client_times(url, small, iters), k_small))
@@ -262,6 +266,12 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
                     note=f"{len(body) / 2**20:.0f} MiB in, {out_size / 2**20:.0f} MiB out; {split_note(xs, phases)}",
                 )
             )
+            if ctype == "application/x-safetensors":
+                phases = {}
+                xs, out_size = raw_times(parsed.hostname, parsed.port, body, ctype, large_iters, phases, warmup=1)
+                rows.append(row(f"{name}, bare socket", LARGE, "bf16", xs, pct(k_large, 50),
+                                nbytes=len(body) + out_size,
+                                note=split_note(xs, phases, client=False)))
     finally:
         http.close()
     return rows
