@@ -82,6 +82,9 @@ def test_two_processes_share_the_ports_and_their_metrics(tmp_path):
             calls += 1
         time.sleep(1.5)  # both processes' counters are in their files at once; gauges within 1 s
         assert [success_count(srv.url) for _ in range(8)] == [calls] * 8, srv.log()
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "attnserve_ready 1.0" in text.splitlines()  # every process ready (livemin)
+        assert "attnserve_inference_pending_requests 0.0" in text.splitlines()  # summed: nothing held
         assert "[" in srv.log() and "processes serving HTTP" in srv.log()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()
