@@ -104,3 +104,26 @@ def test_a_process_that_dies_stops_the_others(tmp_path):
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{second}"), "the other process was left running"
         assert "exited with code" in srv.log()
+
+
+def test_sampled_gauges_reach_the_shared_metrics(tmp_path):
+    """Under --processes a gauge read from a callable is set by ``refresh`` (a process cannot call
+    another's callables), and ``render`` reads every process's files."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = (
+        "from service.metrics import Metrics, render\n"
+        "m = Metrics()\n"
+        "m.track_queue(lambda: 7, lambda: 9)\n"
+        "before = render(m.registry).decode()\n"
+        "m.refresh()\n"
+        "after = render(m.registry).decode()\n"
+        "print('queue_depth 7.0' in before, 'attnserve_inference_queue_depth 7.0' in after,"
+        " 'attnserve_inference_pending_requests 9.0' in after)\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
