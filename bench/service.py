@@ -191,17 +191,28 @@ def _proc_load(device: str, seconds: float, null_kernel: bool, barrier, results)
 
 
 def _procs_load(devices: list[str], seconds: float, null_kernel: bool) -> dict:
-    """The batched small closed loop in one process per device, measured over the same window."""
+    """The batched small closed loop in one process per device, measured over the same window, with
+    the metrics shared as ``--processes`` shares them (files in a PROMETHEUS_MULTIPROC_DIR)."""
     import multiprocessing as mp
+    import tempfile
 
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(len(devices)), ctx.Queue()
     procs = [ctx.Process(target=_proc_load, args=(d, seconds, null_kernel, barrier, results)) for d in devices]
-    for p in procs:
-        p.start()
-    outs = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
+    with tempfile.TemporaryDirectory(prefix="attnserve-metrics-") as shared:
+        previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared  # the spawned processes inherit it
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if previous is None:
+                del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
+        outs = [results.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join()
     total = sum(o["req_s"] for o in outs)
     return {"req_s": total, "p50_ms": max(o["p50_ms"] for o in outs), "p99_ms": max(o["p99_ms"] for o in outs),
             "mean_batch": sum(o["mean_batch"] * o["req_s"] for o in outs) / total,
