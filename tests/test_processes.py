@@ -127,3 +127,20 @@ def test_sampled_gauges_reach_the_shared_metrics(tmp_path):
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+
+
+def test_supervisor_start_up_errors(tmp_path):
+    """A busy HTTP port (exit 1) and a bad --device (exit 2) stop the supervisor before it starts
+    any process, with a message that says which."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with run_server(tmp_path, "--processes", "2", "--http-port", str(port), wait_ready=False) as srv:
+            assert srv.proc.wait(timeout=60) == 1
+            assert "cannot bind HTTP" in srv.log() and "process 0" not in srv.log()
+    with run_server(tmp_path, "--processes", "2", "--device", "tpu:0", wait_ready=False) as srv:
+        assert srv.proc.wait(timeout=60) == 2
+        assert "--device" in srv.log() and "process 0" not in srv.log()
