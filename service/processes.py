@@ -80,6 +80,8 @@ def supervise(settings: Settings, argv: Sequence[str]) -> int:
     code = 0
     try:
         for i, share in enumerate(deal_devices(devices, settings.processes)):
+            if stopping:  # a signal while starting them: start no more
+                break
             cmd = [sys.executable, "-m", "service", *argv,
                    "--processes", "1", "--device", share, "--http-fd", str(listener.fileno())]
             children.append(subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),)))
