@@ -144,3 +144,24 @@ def test_supervisor_start_up_errors(tmp_path):
     with run_server(tmp_path, "--processes", "2", "--device", "tpu:0", wait_ready=False) as srv:
         assert srv.proc.wait(timeout=60) == 2
         assert "--device" in srv.log() and "process 0" not in srv.log()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_one_process_per_gpu(tmp_path):
+    """--processes 2 on two GPUs: one process on each, both in the shared metrics, answers right."""
+    with run_server(tmp_path, "--processes", "2", "--device", "cuda", "--warmup-shapes", "1x8x128x64",
+                    timeout=600) as srv:
+        log = srv.log()
+        assert "on cuda:0" in log and "on cuda:1" in log, log
+        g = torch.Generator().manual_seed(1)
+        for _ in range(12):
+            q, k, v = (torch.randn(1, 8, 128, 64, generator=g).half() for _ in range(3))
+            r = post(srv.url, st.save({"q": q, "k": k, "v": v}))
+            assert r.status_code == 200, r.text
+            o = st.load(r.content)["o"].double()
+            assert (o - attention64(q.double(), k.double(), v.double())[0]).abs().max() < 2e-3
+        time.sleep(1.5)  # the sampled gauges are set every second
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        for d in ("cuda:0", "cuda:1"):
+            assert f'attnserve_gpu_memory_total_bytes{{device="{d}"}}' in text, text[-2000:]
