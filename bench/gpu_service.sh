@@ -18,7 +18,7 @@ python3 -m service.protogen >/dev/null
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 if has tests; then
   t tests
-  ATTNSERVE_AUTOTUNE=0 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_batcher.py \
+  ATTNSERVE_AUTOTUNE=0 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_batcher.py \
     tests/test_engine.py tests/test_layers.py tests/test_flash_plan.py tests/test_processes.py ${GPU_TESTS:-} 2>&1 | tail -12 | tee "$OUT/gpu_tests.txt"
 fi
 if has profile; then
