@@ -6,6 +6,7 @@ users, 0.06 TFLOP/s). With N processes each has its own loop, engine and batcher
 
 - the devices are dealt out: with N <= the device count, process i gets devices i, i+N, ...;
   with more processes than devices, process i shares device i mod count with the others dealt it;
+  on the CPU each process gets 1/N of the cores for torch's threads (unless OMP_NUM_THREADS is set);
 - this supervisor binds the HTTP port once and each process accepts on that socket (inherited), so
   the kernel spreads connections over them; each binds the gRPC port itself (grpc sets
   SO_REUSEPORT), and the kernel spreads channels;
@@ -66,6 +67,10 @@ def supervise(settings: Settings, argv: Sequence[str]) -> int:
     listener.set_inheritable(True)
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    shares = deal_devices(devices, settings.processes)
+    if all(s == "cpu" for s in shares) and "OMP_NUM_THREADS" not in env:
+        # CPU workers compute with torch's thread pool: N pools of every core would oversubscribe
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(shares)))
     stopping = False
     children: list[subprocess.Popen] = []
 
@@ -79,7 +84,7 @@ def supervise(settings: Settings, argv: Sequence[str]) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
-        for i, share in enumerate(deal_devices(devices, settings.processes)):
+        for i, share in enumerate(shares):
             if stopping:  # a signal while starting them: start no more
                 break
             cmd = [sys.executable, "-m", "service", *argv,
