@@ -276,7 +276,7 @@ class Worker:
                 else:  # the CPU computed in the launcher: nothing is left to wait for
                     finish(parts, time.perf_counter())
 
-        if self._cuda and self.inflight <= 1 and _input_bytes(requests) <= self._inline_bytes:
+        if self._inline_bytes and self._cuda and self.inflight <= 1 and _input_bytes(requests) <= self._inline_bytes:
             launch()
         else:
             self._launcher.submit(launch)
