@@ -7,10 +7,14 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import BadRequest, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from .types import Stamps
 
 # native API (JSON "dtype", safetensors, attention.v1 DType enum names lower-cased)
 DTYPES: dict[str, torch.dtype] = {
@@ -98,15 +102,15 @@ class ServerTiming:
 
     def __init__(self) -> None:
         self._last = time.perf_counter()
-        self._phases: list[str] = []
+        self._phases: list[tuple[str, float]] = []  # (name, seconds): formatted only by value()
 
     def mark(self, name: str, at: float | None = None) -> None:
         """A phase that ended ``at`` (a ``time.perf_counter()`` instant; default now)."""
         now = time.perf_counter() if at is None else max(at, self._last)
-        self._phases.append(f"{name};dur={1e3 * (now - self._last):.3f}")
+        self._phases.append((name, now - self._last))
         self._last = now
 
-    def engine(self, stamps: tuple[float, float, float] | None) -> None:
+    def engine(self, stamps: Stamps | None) -> None:
         """The engine's time, split by a result's ``stamps``: ``queue`` (validation and the
         batcher, until a worker takes the launch), ``launch`` (the worker's launcher thread, or the
         loop with ``--inline-launch-kib``: staging, copies and the kernel enqueued), ``device``
@@ -120,7 +124,7 @@ class ServerTiming:
         self.mark("return")
 
     def value(self) -> str:
-        return ", ".join(self._phases)
+        return ", ".join(f"{name};dur={1e3 * s:.3f}" for name, s in self._phases)
 
     @staticmethod
     def parse(value: str) -> dict[str, float]:

@@ -441,7 +441,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         result = await engine.attend(req)
         timing.engine(result.stamps)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
-        content, media = await wire.offload(big and encoding != "safetensors", wire.encode_result, tensors, encoding)
+        content, media = await wire.encode_answer(tensors, encoding, big)
         timing.mark("encode")
         return wire.respond(content, media, {"Server-Timing": timing.value()})
 
@@ -476,9 +476,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         timing.mark("decode")
         result = await engine.call_layer(req)
         timing.engine(result.stamps)
-        content, media = await wire.offload(
-            big and encoding != "safetensors", wire.encode_result, {"y": result.y}, encoding
-        )
+        content, media = await wire.encode_answer({"y": result.y}, encoding, big)
         timing.mark("encode")
         return wire.respond(content, media, {"Server-Timing": timing.value()})
 

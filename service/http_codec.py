@@ -254,7 +254,6 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
 def safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[memoryview]:
     """Tensors -> a safetensors file as buffers: its header, then each tensor's own bytes (views,
     no copy; they keep their tensors alive)."""
-    tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
     header: dict[str, Any] = {}
     offset = 0
     for name, t in tensors.items():
@@ -547,6 +546,14 @@ def decode_layer(
         arrived=arrived,
     )
     return req, encoding
+
+
+async def encode_answer(
+    tensors: Mapping[str, torch.Tensor], encoding: str, big: bool
+) -> tuple[list[memoryview] | bytes, str]:
+    """``encode_result``, in a thread when ``big`` and JSON: a safetensors answer is views of the
+    tensors (no work worth a thread hand-off), a JSON one is printed number by number."""
+    return await offload(big and encoding != "safetensors", encode_result, tensors, encoding)
 
 
 def encode_result(tensors: Mapping[str, torch.Tensor], encoding: str) -> tuple[list[memoryview] | bytes, str]:

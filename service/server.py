@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from . import metrics
 from .engine import Engine
 from .settings import Settings
 
@@ -141,13 +142,6 @@ async def trim_heap_when_idle(engine: Engine, idle_s: float) -> None:
         seen = now
 
 
-def metrics_shared() -> bool:
-    """Whether this process's metrics are summed with others' (under ``--processes``)."""
-    from .metrics import MULTIPROCESS
-
-    return MULTIPROCESS
-
-
 async def refresh_metrics(engine: Engine, every_s: float = 1.0) -> None:
     """Under ``--processes``: set this process's sampled gauges (queue depth, device memory) every
     ``every_s``, so that a scrape answered by another process sees them."""
@@ -156,10 +150,29 @@ async def refresh_metrics(engine: Engine, every_s: float = 1.0) -> None:
         await asyncio.sleep(every_s)
 
 
+def inherited_listener(fd: int) -> socket.socket:
+    """The listening socket ``--http-fd`` names (under ``--processes`` the supervisor's), or a
+    ValueError that says what is wrong with it."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ValueError(f"--http-fd {fd}: not an open socket ({exc.strerror})") from None
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()  # not ours to close
+        raise ValueError(f"--http-fd {fd}: the socket is not listening")
+    return sock
+
+
 async def serve(settings: Settings) -> int:
     """Serve until a signal (or a failure); the process exit code."""
     from .http_app import create_app
 
+    try:
+        # under --processes the supervisor bound the port: accept on its socket, shared with the others
+        sockets = None if settings.http_fd is None else [inherited_listener(settings.http_fd)]
+    except ValueError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     reusing = reuse_freed_memory(settings.max_body_bytes)
     if not hand_over_request_bodies():
         log.debug("uvicorn %s: request bodies are copied once more (written for %s)", uvicorn.__version__,
@@ -197,12 +210,10 @@ async def serve(settings: Settings) -> int:
     if grpc_server is not None:
         await grpc_server.start()
         log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
-    # under --processes the supervisor bound the port: accept on its socket, shared with the others
-    sockets = None if settings.http_fd is None else [socket.socket(fileno=settings.http_fd)]
     http_task = asyncio.create_task(_serve_http(http, sockets))
     start_task = asyncio.create_task(engine.start())
     stop_task = asyncio.create_task(stop.wait())
-    refresh_task = asyncio.create_task(refresh_metrics(engine)) if metrics_shared() else None
+    refresh_task = asyncio.create_task(refresh_metrics(engine)) if metrics.MULTIPROCESS else None
     trim_task = None
     if reusing and settings.memory_trim_idle_s > 0:
         trim_task = asyncio.create_task(trim_heap_when_idle(engine, settings.memory_trim_idle_s))

@@ -710,9 +710,10 @@ def test_safetensors_answer_is_sent_from_the_tensors_own_memory():
         "o": torch.randn(2, 3, 5, 8).to(torch.bfloat16),
         "lse": torch.randn(2, 3, 5),
         "none": torch.empty(0, 4),
+        "strided": torch.randn(4, 6).t(),  # not contiguous: sent as a contiguous copy
     }
     parts = wire.safetensors_parts(tensors)
-    assert len(parts) == 3  # the header, o, lse; the empty tensor has no bytes to send
+    assert len(parts) == 4  # the header, o, lse, strided; the empty tensor has no bytes to send
     assert parts[1].obj is not None and torch.frombuffer(parts[1], dtype=torch.bfloat16).data_ptr() == \
         tensors["o"].data_ptr()
     loaded = st.load(b"".join(parts))

@@ -108,3 +108,11 @@ def test_idle_server_gives_big_freed_blocks_back(tmp_path):
             time.sleep(0.5)
         after = rss(pid) - before
     assert after < 16 << 20, f"{kept >> 20} MiB kept after two 64 MiB bodies, still {after >> 20} MiB idle"
+
+
+def test_bad_http_fd_stops_startup(tmp_path):
+    """--http-fd (what --processes gives its processes) naming no socket, or one that does not
+    listen, stops the process with exit code 2 and says why."""
+    with run_server(tmp_path, "--http-fd", "987", wait_ready=False) as server:
+        assert server.proc.wait(timeout=60) == 2
+        assert "--http-fd 987: not an open socket" in server.log() and "Traceback" not in server.log()
