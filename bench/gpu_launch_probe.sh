@@ -4,7 +4,7 @@
 # launch phase (Server-Timing) of a 1x8x128x64 call, against 0.33-0.49 ms for the same worker call
 # made directly in a bare process (2026-11-30). Each line below starts a server with one setting
 # changed (ATTNSERVE_* reaches the server that bench.http_latency starts) and prints its small row.
-#   bash bench/gpu_launch_probe.sh        (expects the wheels of .whl/ carried beside the checkout)
+#   [PROBES="defaults gil5"] [NO_DIAG=1] bash bench/gpu_launch_probe.sh   (expects the wheels of .whl/ carried beside the checkout)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -16,10 +16,16 @@ probe() {  # $1: label; the rest: VAR=value settings for the server
   env "$@" timeout 120 python3 -m bench.http_latency --small-only --iters "${ITERS:-400}" 2>&1 \
     | grep -E "^\| (kernel|small safetensors)"
 }
-probe "defaults"
-probe "launch on the loop" ATTNSERVE_INLINE_LAUNCH_KIB=1024
-probe "GIL switch interval 5 ms (Python's default)" ATTNSERVE_GIL_SWITCH_INTERVAL_MS=5
-probe "GIL switch interval 0.05 ms" ATTNSERVE_GIL_SWITCH_INTERVAL_MS=0.05
-probe "one OpenMP thread" OMP_NUM_THREADS=1
-probe "one OpenMP thread, launch on the loop" OMP_NUM_THREADS=1 ATTNSERVE_INLINE_LAUNCH_KIB=1024
-python3 -m bench.diag_latency --iters 200 2>&1 | head -8
+# PROBES picks some (default: all): defaults inline gil5 gil005 omp1 omp1-inline
+for p in ${PROBES:-defaults inline gil5 gil005 omp1 omp1-inline}; do
+  case $p in
+    defaults) probe "defaults" ;;
+    inline) probe "launch on the loop" ATTNSERVE_INLINE_LAUNCH_KIB=1024 ;;
+    gil5) probe "GIL switch interval 5 ms (Python's default)" ATTNSERVE_GIL_SWITCH_INTERVAL_MS=5 ;;
+    gil005) probe "GIL switch interval 0.05 ms" ATTNSERVE_GIL_SWITCH_INTERVAL_MS=0.05 ;;
+    omp1) probe "one OpenMP thread" OMP_NUM_THREADS=1 ;;
+    omp1-inline) probe "one OpenMP thread, launch on the loop" OMP_NUM_THREADS=1 ATTNSERVE_INLINE_LAUNCH_KIB=1024 ;;
+    *) echo "unknown probe $p" ;;
+  esac
+done
+[ -n "${NO_DIAG:-}" ] || python3 -m bench.diag_latency --iters 200 2>&1 | head -8

@@ -11,8 +11,14 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   it saves (two H200s in one process: a 64-request batch of 1x8x128x64 split in two ran 0.78x the
   rate of one GPU);
 - while every worker is busy, arrivals gather; a batch closes (and is staged on the least-loaded
-  worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or its oldest
-  request has waited ``max_queue_delay_ms``;
+  worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or
+  ``max_batch_work_ms`` of estimated device work, or its oldest request has waited
+  ``max_queue_delay_ms``;
+- a batch never grows past ``max_batch_work_ms`` (a request above it runs alone). API.md §9 caps
+  batches by tokens only; but a request that already keeps the GPU busy for milliseconds gains
+  nothing from sharing a launch, and joining them serialises their staging behind one launch: on
+  the H200, four 1x32x8192x128 requests per launch ran the worker at 16-23% of the kernel's rate,
+  with no copy of one launch overlapping another's kernel;
 - keys are served oldest first, so one key cannot starve another.
 
 A batch step resolves exactly one future per request, fans an error out to exactly the requests
@@ -68,6 +74,7 @@ class Pending:
     enqueued: float = field(default_factory=time.monotonic)
     launched: bool = False
     released: bool = False  # no longer counted as held
+    work: float = 0.0  # estimated device seconds (set by the batcher, which knows the device)
 
     def resolve(self, outcome) -> None:
         if self.future.done():  # the caller gave up (deadline, disconnect): nothing to tell
@@ -86,6 +93,9 @@ class Batcher:
         metrics.track_queue(lambda: self._queued, lambda: self._held)
         self._queues: dict[Hashable, deque[Pending]] = {}  # key -> FIFO of its pending requests
         self._tokens: dict[Hashable, int] = {}  # key -> query tokens queued (kept, not re-summed per pass)
+        self._work: dict[Hashable, float] = {}  # key -> estimated device seconds queued
+        self._max_work = settings.max_batch_work_ms / 1000.0 or float("inf")
+        self._speed = DEVICE_SPEED.get(self.workers[0].device.type, DEVICE_SPEED["cuda"])
         self._queued = 0
         self._held = 0  # queued + running
         self.activity = 0  # requests submitted plus requests finished, ever: moves while busy
@@ -120,8 +130,11 @@ class Batcher:
                 f"{self.settings.max_queue_size}); retry after {retry:.2f}s",
                 retry_after_s=retry,
             )
+        bandwidth, rate = self._speed
+        pending.work = pending.io_bytes / bandwidth + pending.flops / rate
         self._queues.setdefault(pending.key, deque()).append(pending)
         self._tokens[pending.key] = self._tokens.get(pending.key, 0) + pending.tokens
+        self._work[pending.key] = self._work.get(pending.key, 0.0) + pending.work
         self._queued += 1
         self._held += 1
         self.activity += 1
@@ -189,8 +202,9 @@ class Batcher:
             q.remove(pending)
             self._queued -= 1
             self._tokens[pending.key] -= pending.tokens
+            self._work[pending.key] -= pending.work
             if not q:
-                del self._queues[pending.key], self._tokens[pending.key]
+                del self._queues[pending.key], self._tokens[pending.key], self._work[pending.key]
 
     def _release(self, pending: Pending) -> None:
         """Count a request as no longer held (once: when answered, or dropped before launch)."""
@@ -219,6 +233,7 @@ class Batcher:
                 p.resolve(Unavailable("the server is shutting down"))
         self._queues.clear()
         self._tokens.clear()
+        self._work.clear()
         self._queued = 0
 
     # ---- the dispatcher ---------------------------------------------------------------------------
@@ -263,7 +278,8 @@ class Batcher:
             for key in self._keys_oldest_first():
                 q = self._queues[key]
                 waited = now - q[0].enqueued
-                if self._tokens[key] >= self.settings.max_batch_tokens or waited >= delay:
+                full = self._tokens[key] >= self.settings.max_batch_tokens or self._work[key] >= self._max_work
+                if full or waited >= delay:
                     self._launch(self._least_loaded(free), self._take(key))
                     break
                 wait = delay - waited if wait is None else min(wait, delay - waited)
@@ -273,17 +289,14 @@ class Batcher:
 
     def _worth_sharing(self, key: Hashable, workers: int) -> bool:
         """Whether the batch ``key``'s queue would form keeps each of ``workers`` busy for at least
-        SHARE_MIN_S: bytes over the host->device rate plus FLOPs over the compute rate."""
-        limit = self.settings.max_batch_tokens
-        tokens = nbytes = flops = 0
+        SHARE_MIN_S of estimated device work."""
+        tokens = work = 0
         for p in self._queues[key]:
-            if tokens and tokens + p.tokens > limit:
+            if tokens and (tokens + p.tokens > self.settings.max_batch_tokens or work + p.work > self._max_work):
                 break
             tokens += p.tokens
-            nbytes += p.io_bytes
-            flops += p.flops
-        bandwidth, rate = DEVICE_SPEED.get(self.workers[0].device.type, DEVICE_SPEED["cuda"])
-        return (nbytes / bandwidth + flops / rate) / workers >= SHARE_MIN_S
+            work += p.work
+        return work / workers >= SHARE_MIN_S
 
     def _oldest_key(self) -> Hashable:
         return min(self._queues, key=lambda k: self._queues[k][0].enqueued)
@@ -297,17 +310,19 @@ class Batcher:
 
     def _take(self, key: Hashable, max_tokens: int | None = None) -> list[Pending]:
         """Pop the head of ``key``'s queue: up to ``max_tokens`` (default and at most
-        max_batch_tokens) and the worker's memory budget; always at least one request."""
+        max_batch_tokens), max_batch_work_ms and the worker's memory budget; always at least one
+        request."""
         limit = min(max_tokens or self.settings.max_batch_tokens, self.settings.max_batch_tokens)
         q = self._queues[key]
         batch: list[Pending] = []
-        tokens = memory = 0
+        tokens = memory = work = 0
         budget = min((w.memory_budget for w in self.workers), default=0) or None
         while q:
             p = q[0]
             if batch and (
                 not self.settings.batching
                 or tokens + p.tokens > limit
+                or work + p.work > self._max_work
                 or (budget is not None and memory + p.memory > budget)
             ):
                 break
@@ -315,9 +330,11 @@ class Batcher:
             batch.append(p)
             tokens += p.tokens
             memory += p.memory
+            work += p.work
         self._tokens[key] -= tokens
+        self._work[key] -= work
         if not q:
-            del self._queues[key], self._tokens[key]
+            del self._queues[key], self._tokens[key], self._work[key]
         self._queued -= len(batch)
         return batch
 

@@ -97,10 +97,11 @@ class Engine:
         self._started = True
         self.metrics.ready.set(1)
         log.info(
-            "engine ready on %s (batching %s, max batch tokens %d, max queue delay %.1f ms)",
+            "engine ready on %s (batching %s, max batch tokens %d, max batch work %.1f ms, max queue delay %.1f ms)",
             ", ".join(self.devices),
             "on" if self.settings.batching else "off",
             self.settings.max_batch_tokens,
+            self.settings.max_batch_work_ms,
             self.settings.max_queue_delay_ms,
         )
 

@@ -52,6 +52,12 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(
         65536, gt=0, description="a batch launches once its requests hold this many query tokens (B·Nq summed)"
     )
+    max_batch_work_ms: float = Field(
+        4.0, ge=0,
+        description="a batch also stops growing at about this much estimated device work (bytes to move, "
+        "FLOPs to compute), so that big requests launch one by one and their copies overlap the previous "
+        "launch's kernel; a request above it runs alone; 0: no such limit",
+    )
     max_queue_delay_ms: float = Field(
         2.0, ge=0,
         description="while every worker is busy, the longest the oldest queued request waits "

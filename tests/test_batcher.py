@@ -325,6 +325,44 @@ def test_a_small_batch_stays_whole(gate):
     assert _launches_of_ten_at_once(gate, SHAPES[0]) == [10]
 
 
+def _gather_behind_a_held_launch(gate, *argv: str) -> tuple[int, list[int]]:
+    """One request held in its launch; four more of 34 MFLOP each (~0.67 ms each on the CPU
+    estimate) queue behind it, with a queue delay far longer than the test. Returns the launches
+    handed to the worker while the first was held, and every launch's batch size."""
+
+    async def main():
+        async with started_engine("--max-queue-delay-ms", "100000", *argv) as engine:
+            g = gate(hold=True)
+            shape = (1, 8, 8, 128, 128, 64)
+            first = asyncio.create_task(engine.attend(make_request(shape, OPTIONS[0], seed=0)))
+            await g.wait_entered()
+            rest = [
+                asyncio.create_task(engine.attend(make_request(shape, OPTIONS[0], seed=i))) for i in range(1, 5)
+            ]
+            await asyncio.sleep(0.1)
+            staged = engine.workers[0].inflight
+            g.opened.set()
+            await asyncio.gather(first, *rest)
+            return staged, [q.shape[0] for q in g.launches]
+
+    return asyncio.run(main())
+
+
+def test_a_batch_stops_at_max_batch_work(gate):
+    """Requests worth more device work than --max-batch-work-ms together launch in separate
+    batches, and a batch that is full closes at once (staged behind the running launch) instead of
+    waiting out --max-queue-delay-ms."""
+    staged, sizes = _gather_behind_a_held_launch(gate, "--max-batch-work-ms", "1.5")
+    assert staged == 2  # the running launch, and a full batch staged behind it
+    assert sizes == [1, 2, 2]
+
+
+def test_max_batch_work_zero_gathers_by_tokens_only(gate):
+    staged, sizes = _gather_behind_a_held_launch(gate, "--max-batch-work-ms", "0")
+    assert staged == 1  # nothing full: the batch waits for the worker (or the queue delay)
+    assert sizes == [1, 4]
+
+
 def test_queue_full_rejects_at_once(gate):
     async def main():
         async with started_engine("--max-queue-size", "3") as engine:
