@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import threading
 import time
@@ -282,19 +283,30 @@ def test_gpu_idle_release_frees_the_cached_pinned_staging():
     """After a big request on a GPU, torch keeps its pinned staging buffers cached (they count in
     the RSS); ``release_cached_host_memory`` (the idle trim) hands the unused ones back."""
 
+    def blocks() -> int:  # pinned blocks the allocator owns, in use or cached
+        gc.collect()  # blocks of earlier tests' objects caught in reference cycles
+        return torch.cuda.host_memory_stats().get("allocations.current", 0)
+
     async def main():
         engine = Engine(load_settings(["--device", "cuda:0", "--warmup-shapes", "1x1x8x64"]))
         await engine.start()
         q, k, v = qkv(b=1, hq=8, hkv=8, nq=2048, nk=2048, d=64, dtype=torch.float16)
-        await engine.attend(AttentionRequest(q=q, k=k, v=v))  # 2 MiB each: a pinned buffer apiece
-        held = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+        engine.release_cached_host_memory()  # what earlier tests left cached would be reused
+        before = blocks()
+        result = await engine.attend(AttentionRequest(q=q, k=k, v=v))  # 2 MiB each: a pinned buffer apiece
+        assert result.o.is_pinned()
+        del result  # o's pinned buffer too is now unused
+        held = blocks()
         engine.release_cached_host_memory()
-        left = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+        left = blocks()
         await engine.drain()
-        return held, left
+        return before, held, left
 
-    held, left = asyncio.run(main())
-    assert held >= 6 << 20 and left < held // 4, (held, left)
+    before, held, left = asyncio.run(main())
+    # On 2026-11-30 (x2 host, after other GPU tests in the same process) one block of 2 MiB was
+    # still owned after the release when counted in bytes without a baseline: hence blocks, counted
+    # from a baseline taken after a collection.
+    assert held >= before + 4 and left <= before, (before, held, left)
 
 
 @pytest.mark.gpu
