@@ -275,15 +275,16 @@ async def serve(settings: Settings) -> int:
 
 
 def main(settings: Settings, argv: Sequence[str] = ()) -> None:
-    """Serve in this process, or with ``--processes`` above 1 start that many (``argv``: the
-    command line they are given, with their own devices and the shared HTTP socket)."""
-    several = settings.processes > 1 or settings.http_fd is not None
+    """Serve in this process, or start several (``--processes``, by default one per GPU; ``argv``:
+    the command line they are given, with their own devices and the shared HTTP socket)."""
+    from .processes import process_count, supervise
+
+    processes = 1 if settings.http_fd is not None else process_count(settings)
+    several = processes > 1 or settings.http_fd is not None
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s " + ("[%(process)d] " if several else "") + "%(name)s: %(message)s",
     )
-    if settings.processes > 1:
-        from .processes import supervise
-
+    if processes > 1:
         sys.exit(supervise(settings, argv))
     sys.exit(asyncio.run(serve(settings)))

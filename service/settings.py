@@ -24,10 +24,10 @@ class Settings(BaseSettings):
         8001, ge=0, le=65535, description="gRPC port (attention.v1 and inference.GRPCInferenceService); 0 disables"
     )
     processes: int = Field(
-        1, ge=1,
+        0, ge=0,
         description="server processes behind the same HTTP and gRPC ports, the devices dealt out among "
         "them (docs/deploy.md): each has its own event loop, so more processes answer more requests "
-        "when the host side is the limit",
+        "when the host side is the limit; 0: one per GPU of --device (one on the CPU)",
     )
     http_fd: int | None = Field(
         None, ge=0, description="accept HTTP on this inherited listening socket instead of binding "

@@ -12,7 +12,8 @@ import safetensors.torch as st
 import torch
 
 from service.grpc_client import GrpcAttentionClient
-from service.processes import deal_devices
+from service.processes import deal_devices, process_count
+from service.settings import load_settings
 from tests.conftest import run_server
 from tests.reference64 import attention64
 
@@ -23,6 +24,21 @@ def test_devices_are_dealt_out():
     assert deal_devices(["cuda:0", "cuda:1", "cuda:2", "cuda:3"], 2) == ["cuda:0,cuda:2", "cuda:1,cuda:3"]
     assert deal_devices(["cuda:0"], 3) == ["cuda:0"] * 3
     assert deal_devices(["cuda:0", "cuda:1"], 3) == ["cuda:0", "cuda:1", "cuda:0"]
+
+
+def test_default_is_one_process_per_gpu(monkeypatch):
+    """--processes 0 (the default): one process per GPU of --device, one on the CPU; a number
+    given is kept; a bad --device leaves one process, which then reports it."""
+    import service.worker as worker
+
+    assert load_settings([]).processes == 0
+    assert process_count(load_settings(["--device", "cpu"])) == 1
+    assert process_count(load_settings(["--device", "cpu", "--processes", "3"])) == 3
+    assert process_count(load_settings(["--device", "tpu:0"])) == 1
+    # two GPUs, as resolve_devices reports them on a 2-GPU host (none here)
+    monkeypatch.setattr(worker, "resolve_devices", lambda spec: [torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert process_count(load_settings(["--device", "cuda"])) == 2
+    assert process_count(load_settings(["--device", "cuda", "--processes", "1"])) == 1
 
 
 def children(pid: int) -> list[int]:
