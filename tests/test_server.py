@@ -118,36 +118,63 @@ def test_bad_http_fd_stops_startup(tmp_path):
         assert "--http-fd 987: not an open socket" in server.log() and "Traceback" not in server.log()
 
 
-def test_http_connections_read_big_chunks():
-    """The HTTP protocol the server runs (``http_protocol``) makes each connection's socket reads
-    1 MiB: a big body then costs the loop 4x fewer callbacks than asyncio's 256 KiB reads."""
+def test_a_body_wakes_the_app_once_per_gathered_piece():
+    """The server's HTTP protocol (``http_protocol``) hands a body to the app whole, or in pieces of
+    ``gather_bytes``, however the socket delivers it: uvicorn alone woke the app for every read."""
     import asyncio
+    import threading
 
     import uvicorn
-    from uvicorn.server import ServerState
 
-    from service.server import READ_CHUNK_BYTES, http_protocol
+    from service.server import UVICORN_HANDING_OVER, hand_over_request_bodies, http_protocol
 
-    async def app(scope, receive, send):  # never reached: the test only connects
-        raise AssertionError
+    if uvicorn.__version__ != UVICORN_HANDING_OVER:
+        assert http_protocol(1 << 20) == "httptools"
+        return
+    hand_over_request_bodies()
+    body = bytes(range(256)) * (16 << 12)  # 4 MiB
 
-    async def main() -> int:
-        config = uvicorn.Config(app, http=http_protocol(), lifespan="off", log_level="error")
-        config.load()
-        state = ServerState()
-        server = await asyncio.get_running_loop().create_server(
-            lambda: config.http_protocol_class(config=config, server_state=state, app_state={}), "127.0.0.1", 0
-        )
-        port = server.sockets[0].getsockname()[1]
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-        for _ in range(100):
-            if state.connections:
-                break
-            await asyncio.sleep(0.01)
-        (conn,) = state.connections
-        size = conn.transport.max_size
-        writer.close()
-        server.close()
-        return size
+    def pieces_of_one_call(gather_bytes: int) -> int:
+        got: list[int] = []
 
-    assert asyncio.run(main()) == READ_CHUNK_BYTES
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            data, n = bytearray(), 0
+            while True:
+                message = await receive()
+                data += message["body"]
+                n += 1
+                if not message["more_body"]:
+                    break
+            got.append(n if bytes(data) == body else -1)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        config = uvicorn.Config(app, port=port, http=http_protocol(gather_bytes), lifespan="off", log_level="error")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
+        thread.start()
+        try:
+            for _ in range(200):
+                if server.started:
+                    break
+                threading.Event().wait(0.02)
+
+            def chunks():  # many small writes: the server's reads see small pieces
+                for i in range(0, len(body), 64 << 10):
+                    yield body[i : i + (64 << 10)]
+
+            r = httpx.post(f"http://127.0.0.1:{port}/", content=chunks(), timeout=30)
+            assert r.status_code == 200
+        finally:
+            server.should_exit = True
+            thread.join(10)
+        (n,) = got
+        return n
+
+    assert pieces_of_one_call(64 << 20) == 1  # the whole body at once
+    assert pieces_of_one_call(1 << 20) >= 4  # at least every MiB
