@@ -14,13 +14,11 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or
   ``max_batch_work_ms`` of estimated device work, or its oldest request has waited
   ``max_queue_delay_ms``;
-- a worker holds two launches at most (one running, one staged behind it), three when the next
-  is a request too big to share a launch;
 - a batch never grows past ``max_batch_work_ms`` (a request above it runs alone). API.md §9 caps
   batches by tokens only; but a request that already keeps the GPU busy for milliseconds gains
   nothing from sharing a launch, and joining them serialises their staging behind one launch: on
   the H200, four 1x32x8192x128 requests per launch ran the worker at 16-23% of the kernel's rate,
-  with no copy of one launch overlapping another's kernel; one per launch, 36%;
+  with no copy of one launch overlapping another's kernel;
 - keys are served oldest first, so one key cannot starve another.
 
 A batch step resolves exactly one future per request, fans an error out to exactly the requests
@@ -54,7 +52,6 @@ from .worker import Worker
 log = logging.getLogger("attnserve.batcher")
 
 STAGED_PER_WORKER = 2  # one launch running + one batch closed and waiting behind it
-# ... and one more for a request too big to share its launch (see _room)
 
 # Idle workers split a batch only when each share holds at least this much estimated device time,
 # reckoned with these rough speeds: (host->device bytes/s, FLOP/s) per device type.
@@ -271,12 +268,11 @@ class Batcher:
                 share = -(-self._tokens[key] // n)  # ceil
                 self._launch(self._least_loaded(idle), self._take(key, share))
                 continue
+            free = [w for w in self.workers if w.inflight < STAGED_PER_WORKER]
+            if not free:
+                return None  # a finishing launch wakes us
             if not batching:  # one request per launch: stage the oldest at once
-                key = self._oldest_key()
-                room = self._room(key)
-                if not room:
-                    return None  # a finishing launch wakes us
-                self._launch(self._least_loaded(room), self._take(key))
+                self._launch(self._least_loaded(free), self._take(self._oldest_key()))
                 continue
             wait = None
             for key in self._keys_oldest_first():
@@ -284,10 +280,7 @@ class Batcher:
                 waited = now - q[0].enqueued
                 full = self._tokens[key] >= self.settings.max_batch_tokens or self._work[key] >= self._max_work
                 if full or waited >= delay:
-                    room = self._room(key)
-                    if not room:
-                        return None  # keys launch oldest first: a younger one does not overtake it
-                    self._launch(self._least_loaded(room), self._take(key))
+                    self._launch(self._least_loaded(free), self._take(key))
                     break
                 wait = delay - waited if wait is None else min(wait, delay - waited)
             else:
@@ -304,16 +297,6 @@ class Batcher:
             tokens += p.tokens
             work += p.work
         return work / workers >= SHARE_MIN_S
-
-    def _room(self, key: Hashable) -> list[Worker]:
-        """Workers that may stage a launch of ``key`` now: fewer than STAGED_PER_WORKER launches in
-        flight, or one more when its oldest request is too big to share a launch (two of them
-        exceed max_batch_work_ms). Such a request gains nothing by waiting, and with three in
-        flight its staging overlaps the copies and kernels of two ahead: H200, 1x32x8192x128
-        requests with two in flight ran at 2 launches per 11.4 ms, under the 4.1 ms a request
-        takes to stage (2026-11-30)."""
-        depth = STAGED_PER_WORKER + (2 * self._queues[key][0].work > self._max_work)
-        return [w for w in self.workers if w.inflight < depth]
 
     def _oldest_key(self) -> Hashable:
         return min(self._queues, key=lambda k: self._queues[k][0].enqueued)

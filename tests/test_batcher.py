@@ -357,14 +357,6 @@ def test_a_batch_stops_at_max_batch_work(gate):
     assert sizes == [1, 2, 2]
 
 
-def test_a_request_too_big_to_share_gets_one_more_launch_in_flight(gate):
-    """Requests that cannot share a launch (two exceed --max-batch-work-ms) run alone, and a worker
-    takes three of them at once (the running one and two staged) where batches stop at two."""
-    staged, sizes = _gather_behind_a_held_launch(gate, "--max-batch-work-ms", "1")
-    assert staged == 3
-    assert sizes == [1, 1, 1, 1, 1]
-
-
 def test_max_batch_work_zero_gathers_by_tokens_only(gate):
     staged, sizes = _gather_behind_a_held_launch(gate, "--max-batch-work-ms", "0")
     assert staged == 1  # nothing full: the batch waits for the worker (or the queue delay)
