@@ -16,7 +16,8 @@
 # (a round of 256 prefill calls takes ~90 s or more: the default 60 s request timeout would fail
 # calls that only waited their turn).
 # Only a few files come back (a call returns a limited number: a whole cells/ folder lost the
-# memory series on 2026-11-30): results.md/.csv, the plots, bench.log, *_memory.csv, *_summary.json.
+# memory series on 2026-11-30): results.md/.csv, the plots, bench.log, *_memory.csv, and reports.tgz
+# (the rest of the run's folder: server logs, every cell's Locust CSVs and summaries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${SOAK_DIR:-reports/soak}
@@ -39,7 +40,11 @@ case "${1:-}" in
     [ -s "$DIR/results.md" ] || { echo "no report in $DIR yet; see $DIR.log:"; tail -20 "$DIR.log"; exit 1; }
     : "${OUT:?set OUT to the folder that comes back}"; mkdir -p "$OUT/soak"
     cp "$DIR"/results.* "$DIR"/bench.log "$OUT/soak/"
-    cp "$DIR"/*.png "$DIR"/cells/*_memory.csv "$DIR"/cells/*_summary.json "$OUT/soak/" 2>/dev/null || true
+    cp "$DIR"/*.png "$DIR"/cells/*_memory.csv "$OUT/soak/" 2>/dev/null || true
+    # everything else in one file: the server logs, Locust's CSVs (per-second history: when a
+    # failure happened), the summaries. On 2026-11-30 three failures of a cell could not be
+    # explained: its server log and Locust history did not come back.
+    tar czf "$OUT/soak/reports.tgz" -C "$DIR" --exclude='*.png' . 2>/dev/null || true
     grep -E "RSS|failures|memory" "$DIR/bench.log" | tail -12
     cat "$DIR/results.md"
     ;;
