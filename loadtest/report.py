@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 COLUMNS = ["mix", "transport", "batching", "users", "processes", "requests", "failures", "rps", "p50_ms",
-           "p95_ms", "p99_ms", "tflops", "q_tokens_per_s", "kv_tokens_per_s", "mean_batch", "memory"]
+           "p95_ms", "p99_ms", "tflops", "q_tokens_per_s", "kv_tokens_per_s", "mean_batch", "window_s", "memory"]
 
 
 def load(directory: Path) -> list[dict]:
@@ -38,7 +38,8 @@ def load(directory: Path) -> list[dict]:
             "processes": c["processes"], "requests": r.get("requests", 0), "failures": r.get("failures", 0),
             **{k: r.get(k, math.nan) for k in ("rps", "p50_ms", "p95_ms", "p99_ms", "tflops",
                                                 "q_tokens_per_s", "kv_tokens_per_s")},
-            "mean_batch": b.get("mean") if b.get("mean") is not None else math.nan, "memory": memory,
+            "mean_batch": b.get("mean") if b.get("mean") is not None else math.nan,
+            "window_s": r.get("duration_s", math.nan), "memory": memory,
             "tag": c["tag"],
         })
     rows.sort(key=lambda r: (r["mix"], r["transport"], r["batching"], r["users"], r["tag"]))
@@ -66,12 +67,12 @@ def _fmt(v) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ["mix", "transport", "batching", "users", "req/s", "p50 ms", "p95 ms", "p99 ms", "fail/req",
-            "TFLOP/s", "q tok/s", "kv tok/s", "mean batch", "memory"]
+            "TFLOP/s", "q tok/s", "kv tok/s", "mean batch", "window s", "memory"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["mix"], r["transport"], r["batching"], r["users"], r["rps"], r["p50_ms"], r["p95_ms"],
                  r["p99_ms"], f"{r['failures']}/{r['requests']}", r["tflops"], r["q_tokens_per_s"],
-                 r["kv_tokens_per_s"], r["mean_batch"], r["memory"]]
+                 r["kv_tokens_per_s"], r["mean_batch"], r.get("window_s", math.nan), r["memory"]]
         lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

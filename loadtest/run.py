@@ -226,6 +226,20 @@ def summarize(final_stats: Path) -> dict:
     }
 
 
+def run_seconds(run_time: str) -> float:
+    """Locust's --run-time ("90", "140s", "5m", "1h30m") in seconds."""
+    total, number = 0.0, ""
+    for ch in run_time.strip().lower():
+        if ch.isdigit() or ch == ".":
+            number += ch
+        elif ch in "hms" and number:
+            total += float(number) * {"h": 3600, "m": 60, "s": 1}[ch]
+            number = ""
+        else:
+            raise ValueError(f"run time {run_time!r}: use e.g. 30s, 5m, 1h30m")
+    return total + (float(number) if number else 0.0)
+
+
 def print_summary(s: dict, out=sys.stdout) -> None:
     p = lambda *a: print(*a, file=out)
     c = s["config"]
@@ -242,6 +256,10 @@ def print_summary(s: dict, out=sys.stdout) -> None:
     p(f"throughput: {r['rps']:.1f} req/s, {r['tflops']:.3f} TFLOP/s, "
       f"{r['q_tokens_per_s']:,.0f} query tokens/s, {r['kv_tokens_per_s']:,.0f} key tokens/s "
       f"(successful requests, over {r['duration_s']:.1f} s)")
+    window, planned = r["duration_s"], run_seconds(c["run_time"])
+    if window < 0.5 * planned:  # Locust resets its statistics when the spawn ends
+        p(f"NOTE: these statistics cover only the last {window:.1f} s of the {planned:.0f} s run: the "
+          "spawn took the rest (the load generator was busy); answers before that are not counted")
     p(f"failures: {r['failures']} of {r['requests']}")
     for e in r.get("errors", [])[:10]:
         p(f"  {e['occurrences']}x {e['type']} {e['name']}: {e['error'][:300]}")

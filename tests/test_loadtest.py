@@ -227,3 +227,27 @@ print("ok")
     assert total["requests"] == 21 and total["rps"] == pytest.approx(0.7, rel=0.01)
     no_stop = json.loads((tmp_path / "no_stop.json").read_text())["total"]  # no test_stop seen: up to the last answer
     assert no_stop["rps"] == pytest.approx(21 / 2.4, rel=0.01)
+
+
+def test_a_short_statistics_window_is_flagged():
+    """Locust resets its statistics when the spawn ends: a cell whose spawn took most of its time
+    (256 gRPC users of 128 MiB calls: 6.9 s left of 140, H200 host, 2026-11-30) says so."""
+    import io
+
+    assert run.run_seconds("140s") == 140 and run.run_seconds("5m") == 300
+    assert run.run_seconds("1h30m") == 5400 and run.run_seconds("90") == 90
+    with pytest.raises(ValueError):
+        run.run_seconds("soon")
+
+    def printed(window_s: float) -> str:
+        out = io.StringIO()
+        result = {"requests": 44, "failures": 0, "rps": 44 / window_s, "p50_ms": 1.0, "p95_ms": 1.0, "p99_ms": 1.0,
+                  "duration_s": window_s, "tflops": 0.0, "q_tokens_per_s": 0.0, "kv_tokens_per_s": 0.0,
+                  "per_name": [], "errors": []}
+        config = {"tag": "t", "users": 256, "mix": "prefill", "user_classes": ["grpc"], "processes": 4,
+                  "run_time": "140s"}
+        run.print_summary({"config": config, "result": result, "batch_sizes": None}, out=out)
+        return out.getvalue()
+
+    assert "only the last 6.9 s of the 140 s run" in printed(6.9)
+    assert "NOTE" not in printed(139.5)
