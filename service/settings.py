@@ -79,6 +79,12 @@ class Settings(BaseSettings):
         "requests), in MiB: parsing JSON numbers takes 15-30x their text in memory; large tensors go "
         "over safetensors or binary tensor data",
     )
+    http_keep_alive_s: float = Field(
+        75.0, gt=0,
+        description="how long an idle HTTP keep-alive connection stays open; longer than the idle timeout of "
+        "the clients and load balancers in front (60 s is common), so that a client never sends a request "
+        "on a connection the server is closing",
+    )
     request_timeout_ms: float = Field(
         60000.0, gt=0,
         description="default deadline of a request; X-Request-Timeout-Ms or a gRPC deadline overrides it",

@@ -178,3 +178,34 @@ def test_a_body_wakes_the_app_once_per_gathered_piece():
 
     assert pieces_of_one_call(64 << 20) == 1  # the whole body at once
     assert pieces_of_one_call(1 << 20) >= 4  # at least every MiB
+
+
+def test_idle_keep_alive_connections_stay_open(tmp_path):
+    """An idle keep-alive connection outlives uvicorn's default 5 s (``--http-keep-alive-s``, 75 by
+    default): a client that reuses it after a pause must not meet a connection the server is
+    closing (Locust users building 128 MiB bodies on busy CPUs did, H200 host, 2026-11-30). With
+    ``--http-keep-alive-s 1`` the server closes it."""
+    import time
+
+    def idle_then_reuse(port: int, idle_s: float) -> bytes | None:
+        """GET /healthz, stay idle, GET again on the same socket: the second status line, or
+        None when the server closed the connection meanwhile."""
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+            s.sendall(request)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(idle_s)
+            s.setblocking(False)
+            try:
+                if s.recv(1) == b"":
+                    return None  # closed by the server
+            except BlockingIOError:
+                pass
+            s.setblocking(True)
+            s.sendall(request)
+            return s.recv(4096).split(b"\r\n", 1)[0]
+
+    with run_server(tmp_path, *FAST) as srv:
+        assert idle_then_reuse(srv.http_port, 6.0) == b"HTTP/1.1 200 OK"
+    with run_server(tmp_path, *FAST, "--http-keep-alive-s", "1") as srv:
+        assert idle_then_reuse(srv.http_port, 2.5) is None
