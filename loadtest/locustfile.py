@@ -200,22 +200,19 @@ class GrpcUser(User):
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.use_local_subchannel_pool", 1),  # one connection per user, like the HTTP users
         ])
-        self.attend_rpc = stubs.attention_pb2_grpc.AttentionServiceStub(self.channel).Attend
+        # requests go as bytes serialized here (payloads.grpc_attend_body), answers parse as usual
+        self.attend_rpc = self.channel.unary_unary(
+            "/attention.v1.AttentionService/Attend", request_serializer=None,
+            response_deserializer=self.pb.AttendResponse.FromString)
 
     def on_stop(self) -> None:
         self.channel.close()
-
-    def _tensor(self, shape: list[int], dtype: str, data: bytes):
-        return self.pb.Tensor(shape=shape, dtype=payloads.DTYPE_CODES[dtype][2], data=data)
 
     @task
     def attend(self) -> None:
         p = _State.pool(_State.mix).draw(self.rng)
         s = p.shape
-        exp, v = p.fresh_v(self.rng)
-        req = self.pb.AttendRequest(q=self._tensor(s.q_shape, s.dtype, p.q),
-                                    k=self._tensor(s.kv_shape, s.dtype, p.k),
-                                    v=self._tensor(s.kv_shape, s.dtype, v), causal=s.causal)
+        req, exp = payloads.grpc_attend_body(p, self.rng, self.pb)
         start, length, exc = time.perf_counter(), 0, None
         try:
             resp = self.attend_rpc(req, timeout=_State.timeout, metadata=tuple(_State.auth.items()))

@@ -257,9 +257,10 @@ def print_summary(s: dict, out=sys.stdout) -> None:
       f"{r['q_tokens_per_s']:,.0f} query tokens/s, {r['kv_tokens_per_s']:,.0f} key tokens/s "
       f"(successful requests, over {r['duration_s']:.1f} s)")
     window, planned = r["duration_s"], run_seconds(c["run_time"])
-    if window < 0.5 * planned:  # Locust resets its statistics when the spawn ends
-        p(f"NOTE: these statistics cover only the last {window:.1f} s of the {planned:.0f} s run: the "
-          "spawn took the rest (the load generator was busy); answers before that are not counted")
+    if window < 0.5 * planned:
+        p(f"NOTE: these statistics cover only the last {window:.1f} s of the {planned:.0f} s run: Locust "
+          "started them late (a long spawn, or workers lost and re-added while the load generator was "
+          "too busy; see its log); answers before that are not counted")
     p(f"failures: {r['failures']} of {r['requests']}")
     for e in r.get("errors", [])[:10]:
         p(f"  {e['occurrences']}x {e['type']} {e['name']}: {e['error'][:300]}")

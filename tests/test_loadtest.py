@@ -230,8 +230,8 @@ print("ok")
 
 
 def test_a_short_statistics_window_is_flagged():
-    """Locust resets its statistics when the spawn ends: a cell whose spawn took most of its time
-    (256 gRPC users of 128 MiB calls: 6.9 s left of 140, H200 host, 2026-11-30) says so."""
+    """A cell whose statistics cover much less than its run time (256 gRPC users of 96 MiB calls:
+    the last 6.9 s of 140, H200 host, 2026-11-30) says so."""
     import io
 
     assert run.run_seconds("140s") == 140 and run.run_seconds("5m") == 300
@@ -251,3 +251,23 @@ def test_a_short_statistics_window_is_flagged():
 
     assert "only the last 6.9 s of the 140 s run" in printed(6.9)
     assert "NOTE" not in printed(139.5)
+
+
+@pytest.mark.parametrize("label", ["small-f16", "decode-8k-bf16"])
+def test_grpc_body_is_the_request_built_as_a_message(label):
+    """The hand-appended v field (payloads.grpc_attend_body) parses to the AttendRequest that
+    building it as a message gives, the second call (cached q, k) too."""
+    from service.protogen import attention_stubs
+
+    pb = attention_stubs().attention_pb2
+    shape = payloads.SHAPES[label]
+    p = payloads.prepare(shape, seed=3)
+    for seed in (1, 2):
+        body, exp = payloads.grpc_attend_body(p, random.Random(seed), pb)
+        _, v = p.fresh_v(random.Random(seed))
+        code = payloads.DTYPE_CODES[shape.dtype][2]
+        want = pb.AttendRequest(q=pb.Tensor(shape=shape.q_shape, dtype=code, data=p.q),
+                                k=pb.Tensor(shape=shape.kv_shape, dtype=code, data=p.k),
+                                v=pb.Tensor(shape=shape.kv_shape, dtype=code, data=v), causal=shape.causal)
+        assert pb.AttendRequest.FromString(body) == want
+        assert exp.shape == shape.q_shape
