@@ -94,7 +94,7 @@ def check_tensor_bytes(nbytes: int, limit: int, name: str) -> None:
 
 class ServerTiming:
     """The phases of one call in W3C ``Server-Timing`` syntax (durations in ms): ``read`` (an HTTP
-    body), ``decode``, the engine's ``queue``, ``launch``, ``device`` and ``return`` (see
+    body), ``decode``, the engine's ``queue``, ``stage``, ``launch``, ``device`` and ``return`` (see
     ``engine``), ``encode``. HTTP sends it as the
     ``Server-Timing`` header, gRPC as the ``server-timing`` trailing metadata of a unary call."""
 
@@ -112,14 +112,15 @@ class ServerTiming:
 
     def engine(self, stamps: Stamps | None) -> None:
         """The engine's time, split by a result's ``stamps``: ``queue`` (validation and the
-        batcher, until a worker takes the launch), ``launch`` (the worker's launcher thread, or the
-        loop with ``--inline-launch-kib``: staging, copies and the kernel enqueued), ``device``
-        (waiting for the device, answers split), ``return`` (back on the event loop, to this
-        handler). They sum to the engine's whole time."""
+        batcher, until a worker takes the launch), ``stage`` (the worker's launcher thread, or the
+        loop with ``--inline-launch-kib``: the inputs copied into pinned memory and their
+        host->device copies enqueued), ``launch`` (the kernel and the device->host copies
+        enqueued), ``device`` (waiting for the device, answers split), ``return`` (back on the
+        event loop, to this handler). They sum to the engine's whole time."""
         if stamps is None:
             self.mark("engine")
             return
-        for name, at in zip(("queue", "launch", "device"), stamps, strict=True):
+        for name, at in zip(("queue", "stage", "launch", "device"), stamps, strict=True):
             self.mark(name, at)
         self.mark("return")
 

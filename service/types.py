@@ -17,9 +17,10 @@ from .errors import BadRequest, InvalidInput
 
 LAYOUTS = ("bhnd", "bnhd")
 
-# time.perf_counter() when the launch that answered a request was handed to its worker, when the
-# worker had staged it and enqueued its kernel, and when the device was done and the answers split
-Stamps = tuple[float, float, float]
+# time.perf_counter() when the launch that answered a request was handed to its worker, when its
+# inputs were staged (copied to pinned memory, host->device copies enqueued), when its kernel and
+# device->host copies were enqueued, and when the device was done and the answers split
+Stamps = tuple[float, float, float, float]
 
 
 _ID_PREFIX = uuid.uuid4().hex[:12]  # unique per process; a counter makes the rest unique within it

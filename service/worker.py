@@ -256,7 +256,8 @@ class Worker:
         def finish(parts: list[_Part], staged: float) -> None:
             try:
                 outcomes = _finish_all(parts)
-                stamps = (t0, staged, time.perf_counter())
+                inputs = max((p.staged_at for p in parts if p.staged_at), default=staged)
+                stamps = (t0, min(inputs, staged), staged, time.perf_counter())
                 for outcome in outcomes:
                     if not isinstance(outcome, ServiceError):
                         outcome.stamps = stamps
@@ -417,6 +418,7 @@ class Worker:
             # kv_lengths presence is part of the batch key
             ([r.kv_lengths for r in reqs], torch.int32) if first.kv_lengths is not None else None,
         )
+        staged_at = time.perf_counter()
         with self._launch_lock():
             o, lse = kernels.attention(
                 q,
@@ -445,7 +447,7 @@ class Worker:
                 b0 = b1
             return results
 
-        return _Part(split=split, done=done, keep=keep)
+        return _Part(split=split, done=done, keep=keep, staged_at=staged_at)
 
     def _launch_layer(self, reqs: list[LayerRequest]) -> _Part:
         first = reqs[0]
@@ -457,6 +459,7 @@ class Worker:
             ([r.positions for r in reqs], torch.int64) if first.positions is not None else None,
             ([r.kv_lengths for r in reqs], torch.int32) if first.kv_lengths is not None else None,
         )
+        staged_at = time.perf_counter()
         with self._launch_lock():
             y = layer.forward(x, causal=first.causal, positions=positions, kv_lengths=kv_lengths)
         (y_host,), done = self._to_host([y])
@@ -471,7 +474,7 @@ class Worker:
                 b0 = b1
             return results
 
-        return _Part(split=split, done=done, keep=keep)
+        return _Part(split=split, done=done, keep=keep, staged_at=staged_at)
 
     def close(self) -> None:
         self._launcher.shutdown(wait=True)
@@ -556,6 +559,7 @@ class _Part:
     keep: tuple = ()
     requests: list = field(default_factory=list)
     on_error: Callable[[BaseException, Any], ServiceError] | None = None
+    staged_at: float | None = None  # time.perf_counter() once its inputs were staged
 
 
 def _failed(errors: list[ServiceError]) -> _Part:

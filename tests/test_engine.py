@@ -84,8 +84,9 @@ def test_attend_layout_lse_and_request_id():
 
 
 def test_results_carry_their_launch_stamps():
-    """Each answer says when its launch was handed to a worker, staged, and done (the Server-Timing
-    split): in that order, inside the call; requests that shared a launch share its stamps."""
+    """Each answer says when its launch was handed to a worker, its inputs staged, its kernel
+    enqueued, and the device done (the Server-Timing split): in that order, inside the call;
+    requests that shared a launch share its stamps."""
 
     async def main():
         engine = Engine(cpu_settings(max_queue_delay_ms=50.0))
@@ -101,8 +102,8 @@ def test_results_carry_their_launch_stamps():
         return t0, lone, t1, batch
 
     t0, lone, t1, batch = asyncio.run(main())
-    assert lone.stamps is not None and t0 < lone.stamps[0] <= lone.stamps[1] <= lone.stamps[2] < t1
-    assert len({r.stamps for r in batch}) == 1 and batch[0].stamps[0] > lone.stamps[2]
+    assert lone.stamps is not None and t0 < lone.stamps[0] <= lone.stamps[1] <= lone.stamps[2] <= lone.stamps[3] < t1
+    assert len({r.stamps for r in batch}) == 1 and batch[0].stamps[0] > lone.stamps[3]
 
 
 @pytest.mark.parametrize(

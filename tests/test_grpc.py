@@ -144,7 +144,7 @@ def test_attend_says_where_the_server_time_went(stub):
     wall_ms = 1e3 * (time.perf_counter() - t0)
     assert_close_to_reference(tensor_from_pb(resp, "o"), q, k, v)
     phases = ServerTiming.parse(dict(call.trailing_metadata())["server-timing"])
-    assert list(phases) == ["decode", "queue", "launch", "device", "return", "encode"], phases
+    assert list(phases) == ["decode", "queue", "stage", "launch", "device", "return", "encode"], phases
     assert all(ms >= 0 for ms in phases.values()) and sum(phases.values()) < wall_ms, (phases, wall_ms)
 
 

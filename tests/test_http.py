@@ -695,7 +695,7 @@ def test_server_timing_header(http):
         wall_ms = 1e3 * (time.perf_counter() - t0)
         assert r.status_code == 200, r.text
         phases = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
-        names = ["read", "decode", "queue", "launch", "device", "return", "encode"]
+        names = ["read", "decode", "queue", "stage", "launch", "device", "return", "encode"]
         assert [name for name, _ in phases] == names, phases
         durations = [float(d) for _, d in phases]
         assert all(d >= 0 for d in durations) and sum(durations) < wall_ms, (durations, wall_ms)
