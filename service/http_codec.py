@@ -16,8 +16,7 @@ import asyncio
 import base64
 import binascii
 import math
-import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import orjson
@@ -27,7 +26,17 @@ from starlette.responses import Response
 
 import kernels
 
-from .codec import DTYPE_NAMES, dtype_from_name, tensor_from_bytes, tensor_to_bytes
+from .codec import (  # the safetensors format lives in codec (the client uses it too); re-exported here
+    DTYPE_NAMES,
+    MAX_DIMS,
+    aligned,
+    check_shape,
+    dtype_from_name,
+    parse_safetensors,
+    safetensors_parts,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
 from .errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from .settings import Settings
 from .types import LAYOUTS, AttentionRequest, LayerRequest
@@ -42,31 +51,13 @@ LAYER_OPTIONS = ("causal",)
 ATTENTION_TENSORS = ("q", "k", "v", "kv_lengths")
 LAYER_TENSORS = ("x", "positions", "kv_lengths")
 INT_TENSORS = ("kv_lengths", "positions")  # nested lists of these are integers
-SAFETENSORS_IGNORED_METADATA = ("format",)  # written by transformers/safetensors tools ("pt")
 
-MAX_DIMS = 8  # deepest tensor we decode; also bounds nested-list recursion
 MAX_JSON_ELEMENTS = 1 << 27  # numbers in one JSON tensor
-MAX_SAFETENSORS_HEADER = 1 << 20  # q, k, v, kv_lengths and option strings need < 1 KiB
 # Decoding/encoding goes to a thread (off the event loop) only when it costs more than the two
 # thread hand-offs (~0.1-0.3 ms on the H200 host): JSON is parsed and printed number by number,
 # binary tensors (safetensors, OIP binary data) are views or plain copies (~10 GB/s).
 OFFLOAD_JSON_BYTES = 1 << 18
 OFFLOAD_BINARY_BYTES = 16 << 20
-
-# safetensors dtype names (the kernels refuse the ones they do not run, with a 422)
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "BOOL": torch.bool,
-}
-ST_NAMES: dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -209,77 +200,6 @@ def merge_options(allowed: tuple[str, ...], *sources: Mapping[str, Any]) -> dict
 # ---------------------------------------------------------------- safetensors
 
 
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """A view into a request buffer at an odd offset is copied, so kernels see aligned memory."""
-    return t if t.numel() == 0 or t.data_ptr() % t.element_size() == 0 else t.clone()
-
-
-def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A safetensors file -> (tensors viewing ``body``, string metadata). Never copies tensor bytes
-    (unless misaligned); never executes anything from the body."""
-    if len(body) < 8:
-        raise BadRequest("the body is not a safetensors file (shorter than its 8-byte header length)")
-    (hlen,) = struct.unpack_from("<Q", body, 0)
-    if hlen > len(body) - 8:
-        raise BadRequest("the body is not a safetensors file (header length past the end of the body)")
-    if hlen > MAX_SAFETENSORS_HEADER:  # parsed JSON takes ~10x its size in Python objects
-        raise PayloadTooLarge(f"the safetensors header is over {MAX_SAFETENSORS_HEADER} bytes")
-    try:
-        header = orjson.loads(memoryview(body)[8 : 8 + hlen])
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the safetensors header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise BadRequest("the safetensors header must be a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise BadRequest("safetensors __metadata__ must map names to strings")
-    data = memoryview(body)[8 + hlen :]
-    tensors: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        try:
-            dtype = ST_DTYPES[info["dtype"]]
-            shape = check_shape(info["shape"], name)
-            begin, end = check_shape(info["data_offsets"], name)  # two integers >= 0
-        except (KeyError, TypeError, ValueError, BadRequest):  # not 'shape': "12" as [1, 2], [1.9] as [1]
-            raise BadRequest(
-                f"safetensors entry {name!r} needs a known dtype ({', '.join(ST_DTYPES)}), a shape (a list "
-                f"of at most {MAX_DIMS} integers >= 0) and data_offsets [begin, end]"
-            ) from None
-        if not begin <= end <= len(data):
-            raise BadRequest(f"safetensors entry {name!r}: data_offsets {[begin, end]} lie outside the body")
-        tensors[name] = aligned(tensor_from_bytes(data[begin:end], shape, dtype, name))
-    return tensors, {k: v for k, v in metadata.items() if k not in SAFETENSORS_IGNORED_METADATA}
-
-
-def safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[memoryview]:
-    """Tensors -> a safetensors file as buffers: its header, then each tensor's own bytes (views,
-    no copy; they keep their tensors alive)."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": ST_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    head = orjson.dumps(header)
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writers do
-    return tensor_parts(struct.pack("<Q", len(head)) + head, tensors.values())
-
-
-def tensor_parts(head: bytes, tensors: Iterable[torch.Tensor]) -> list[memoryview]:
-    """``head``, then each tensor's little-endian row-major bytes as a view of its own memory (a
-    safetensors file, or an OIP response with binary outputs, without copying the data)."""
-    parts = [memoryview(head)]
-    for t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        if t.numel():
-            parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return parts
-
-
 class PartsResponse(Response):
     """A response whose body is sent as several buffers, never joined: a tensor's bytes go from
     its own memory to the socket (the event loop keeps a view of what the socket has not taken).
@@ -327,17 +247,6 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def check_shape(shape: Any, name: str) -> list[int]:
-    """A shape given in JSON (native tensor objects, OIP inputs): at most MAX_DIMS integers >= 0."""
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
-        raise BadRequest(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative integers")
-    return shape
 
 
 def json_tensor(value: Any, name: str, default_dtype: torch.dtype) -> tuple[torch.Tensor, str]:

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from . import http_codec as wire
-from .codec import OIP_DTYPES, OIP_NAMES, dtype_from_name, tensor_from_bytes
+from .codec import OIP_DTYPES, OIP_NAMES, aligned, check_shape, dtype_from_name, tensor_from_bytes, tensor_parts
 from .errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
 from .settings import Settings
 from .types import AttentionRequest, LayerRequest
@@ -156,7 +156,7 @@ def _decode_inputs(doc: dict, binary: memoryview, names: tuple[str, ...]) -> dic
         if name not in names or name in tensors:
             what = "given twice" if name in tensors else f"unknown; the inputs are {', '.join(names)}"
             raise BadRequest(f"input {name!r}: {what}")
-        shape = wire.check_shape(item.get("shape"), f"input {name!r}")
+        shape = check_shape(item.get("shape"), f"input {name!r}")
         datatype = item.get("datatype")
         if not isinstance(datatype, str):
             raise BadRequest(f"input {name!r}: datatype must be one of {', '.join(OIP_DTYPES)}")
@@ -169,7 +169,7 @@ def _decode_inputs(doc: dict, binary: memoryview, names: tuple[str, ...]) -> dic
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
                 raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the binary data")
             t = tensor_from_bytes(binary[offset : offset + size], shape, dtype, name)
-            tensors[name] = wire.aligned(t)
+            tensors[name] = aligned(t)
             offset += size
         elif "data" in item:
             data = item["data"]
@@ -294,7 +294,7 @@ def encode_response(
     head = orjson.dumps(resp, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return head, {"content-type": "application/json"}
-    return wire.tensor_parts(head, blobs), {  # the tensors' bytes are sent from their own memory
+    return tensor_parts(head, blobs), {  # the tensors' bytes are sent from their own memory
         "content-type": "application/octet-stream",
         "Inference-Header-Content-Length": str(len(head)),
     }
