@@ -251,6 +251,38 @@ def test_concurrent_mixed_shapes(server):
         list(pool.map(one, cases))
 
 
+def test_client_reports_an_answer_that_is_not_safetensors():
+    """A 200 whose body is not a safetensors file (a proxy's page, a truncated answer) is an
+    AttentionServiceError, not a crash deep in the parser; the client stays usable."""
+    import http.server
+    import threading
+
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b"<html>not what you asked for</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        q, k, v = make(SHAPES[0], torch.float32)
+        with AttentionClient(f"http://127.0.0.1:{httpd.server_address[1]}") as c:
+            for _ in range(2):
+                with pytest.raises(AttentionServiceError) as exc:
+                    c.attention(q, k, v)
+                assert exc.value.status == 200 and exc.value.code == "bad_answer"
+    finally:
+        httpd.shutdown()
+
+
 def test_client(server, tiny_bert):
     c = AttentionClient(server.url)
     assert c.ready()
@@ -265,8 +297,10 @@ def test_client(server, tiny_bert):
         kernel="auto",
     )
     assert_matches(o.transpose(1, 2), q, k, v, lse, scale=0.3)
-    # self-attention: q, k, v are one tensor (safetensors refuses shared memory; the client copies)
-    assert_matches(c.attention(q, q, q), q, q, q)
+    # self-attention: q, k, v are one tensor (its bytes are sent three times)
+    o = c.attention(q, q, q)
+    assert_matches(o, q, q, q)
+    o.add_(1)  # the answer is the caller's own memory: writable (a view of the client's buffer)
     [info] = c.layers()
     assert info == {
         "name": "tiny",
