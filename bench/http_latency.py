@@ -17,6 +17,7 @@ Rows:
   small JSON lists       nested lists in and out (float32 on the wire).
   large safetensors      1x32x8192x128 bf16 (1x8x1024x64 without a GPU): end-to-end GB/s counted as
                          request + response bytes per second of wall time, beside the kernel alone.
+  large AttentionClient  the large call through service.client (torch tensors in and out).
   large JSON base64      the same call as base64 JSON.
 """
 
@@ -165,9 +166,9 @@ def raw_times(host: str, port: int, body: bytes, ctype: str, iters: int, phases:
     return out, length
 
 
-def client_times(url: str, ts: dict[str, torch.Tensor], iters: int) -> list[float]:
-    with AttentionClient(url) as c:
-        for _ in range(3):
+def client_times(url: str, ts: dict[str, torch.Tensor], iters: int, warmup: int = 3) -> list[float]:
+    with AttentionClient(url, timeout=600) as c:
+        for _ in range(warmup):
             c.attention(**ts)
         out = []
         for _ in range(iters):
@@ -272,6 +273,9 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
                 rows.append(row(f"{name}, bare socket", LARGE, "bf16", xs, pct(k_large, 50),
                                 nbytes=len(body) + out_size,
                                 note=split_note(xs, phases, client=False)))
+                rows.append(row("large AttentionClient", LARGE, "bf16", client_times(url, large, large_iters, warmup=1),
+                                pct(k_large, 50), nbytes=len(body) + out_size,
+                                note="torch tensors in and out: packing and unpacking included"))
     finally:
         http.close()
     return rows
