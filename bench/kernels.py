@@ -363,8 +363,14 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new shapes after this")
     ap.add_argument("--sections", default="forward,long,decode,backward",
                     help="comma-separated subset of forward, long, decode, backward")
+    ap.add_argument("--causal", choices=("all", "only", "none"), default="all",
+                    help="forward and long-N rows: all, only the causal ones, or only the non-causal ones")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
+
+    def rows_of(table):  # (dtype, B, H, N, D, causal) rows kept by --causal
+        return [r for r in table if args.causal == "all" or r[-1] == (args.causal == "only")]
+
     DEADLINE[0] = time.monotonic() + args.budget_s
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -381,9 +387,9 @@ def main() -> None:
             "command": "PYTHONPATH=$PWD python3 " + " ".join(sys.argv)}
     log(f"{meta}")
     log("forward, anchor shapes")
-    fwd = bench_forward(ANCHORS, FWD_PROVIDERS, log) if "forward" in sections else []
+    fwd = bench_forward(rows_of(ANCHORS), FWD_PROVIDERS, log) if "forward" in sections else []
     log("long N")
-    long_rows = bench_forward(LONG, ["flash", "sdpa_flash", "sdpa_cudnn"], log) if "long" in sections else []
+    long_rows = bench_forward(rows_of(LONG), ["flash", "sdpa_flash", "sdpa_cudnn"], log) if "long" in sections else []
     log("decode")
     dec = bench_decode(log) if "decode" in sections else []
     log("backward")
