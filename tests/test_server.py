@@ -187,13 +187,25 @@ def test_idle_keep_alive_connections_stay_open(tmp_path):
     ``--http-keep-alive-s 1`` the server closes it."""
     import time
 
+    def response(s: socket.socket) -> bytes:
+        """One whole response (headers, then Content-Length bytes of body): its status line."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(4096)
+        head, body = data.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += s.recv(4096)
+        return head.split(b"\r\n", 1)[0]
+
     def idle_then_reuse(port: int, idle_s: float) -> bytes | None:
         """GET /healthz, stay idle, GET again on the same socket: the second status line, or
         None when the server closed the connection meanwhile."""
         with socket.create_connection(("127.0.0.1", port)) as s:
             request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
             s.sendall(request)
-            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            assert response(s) == b"HTTP/1.1 200 OK"
             time.sleep(idle_s)
             s.setblocking(False)
             try:
@@ -203,7 +215,7 @@ def test_idle_keep_alive_connections_stay_open(tmp_path):
                 pass
             s.setblocking(True)
             s.sendall(request)
-            return s.recv(4096).split(b"\r\n", 1)[0]
+            return response(s)
 
     with run_server(tmp_path, *FAST) as srv:
         assert idle_then_reuse(srv.http_port, 6.0) == b"HTTP/1.1 200 OK"
