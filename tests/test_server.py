@@ -159,10 +159,11 @@ def test_a_body_wakes_the_app_once_per_gathered_piece():
         thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
         thread.start()
         try:
-            for _ in range(200):
+            for _ in range(1000):  # up to 20 s on a loaded CI machine
                 if server.started:
                     break
                 threading.Event().wait(0.02)
+            assert server.started, "uvicorn did not start"
 
             def chunks():  # many small writes: the server's reads see small pieces
                 for i in range(0, len(body), 64 << 10):
