@@ -201,7 +201,19 @@ def split_note(xs: list[float], phases: dict[str, list[float]], client: bool = T
             f"~{outside:.3f}")
 
 
-def measure(url: str, device: str, iters: int, large_iters: int, small_only: bool = False) -> list[dict]:
+def minor_faults(pid: int | None) -> int | None:
+    """Minor page faults of process ``pid`` so far (/proc/PID/stat field 10); None if unknown."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def measure(url: str, device: str, iters: int, large_iters: int, small_only: bool = False,
+            server_pid: int | None = None) -> list[dict]:
     rows = []
     small = tensors(SMALL, torch.float16)
     k_times = kernel_times(SMALL, torch.float16, device, iters)
@@ -255,7 +267,13 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
             ("large JSON base64", _json_body(large, "base64"), "application/json"),
         ):
             phases = {}
+            faults = minor_faults(server_pid)
             xs, out_size = http_times(http, body, ctype, large_iters, phases)
+            if faults is not None:  # fresh memory the server touched: 4 KiB a fault
+                faulted = (minor_faults(server_pid) - faults) / (large_iters + 3)  # http_times warms up with 3
+                phases_note = f"; server page faults {faulted:,.0f} a call (~{faulted * 4 / 1024:,.0f} MiB)"
+            else:
+                phases_note = ""
             rows.append(
                 row(
                     name,
@@ -264,7 +282,8 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
                     xs,
                     pct(k_large, 50),
                     nbytes=len(body) + out_size,
-                    note=f"{len(body) / 2**20:.0f} MiB in, {out_size / 2**20:.0f} MiB out; {split_note(xs, phases)}",
+                    note=f"{len(body) / 2**20:.0f} MiB in, {out_size / 2**20:.0f} MiB out; {split_note(xs, phases)}"
+                         + phases_note,
                 )
             )
             if ctype == "application/x-safetensors":
@@ -314,6 +333,7 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def local_server(device: str):
+    """A server on ``device`` (one process) for the bench: yields (url, pid)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [
@@ -328,6 +348,8 @@ def local_server(device: str):
         "0",
         "--device",
         device,
+        "--processes",  # one server process, whose page faults the large rows count
+        "1",
         "--request-timeout-ms",
         "600000",
         # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
@@ -350,7 +372,7 @@ def local_server(device: str):
                 if httpx.get(url + "/readyz", timeout=1).status_code == 200:
                     break
             time.sleep(0.2)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -372,8 +394,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, command: str) -> str:
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(local_server(args.device))
-        text = render(measure(url, args.device, args.iters, args.large_iters, args.small_only), command)
+        url, pid = (args.url, None) if args.url else stack.enter_context(local_server(args.device))
+        text = render(measure(url, args.device, args.iters, args.large_iters, args.small_only, pid), command)
     print(text)
     if args.write:
         write_section(args.write, text)
