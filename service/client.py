@@ -111,8 +111,10 @@ class AttentionClient:
             preload_content=False,
         )
         try:
-            self._raise_for_error(r)
+            self._raise_for_error(r)  # an error answer is read whole: the connection stays usable
             body = _read_body(r)
+        except AttentionServiceError:
+            raise
         except BaseException:
             r.close()  # what is left of the answer must not stay on a pooled connection
             raise
