@@ -271,9 +271,9 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
             xs, out_size = http_times(http, body, ctype, large_iters, phases)
             if faults is not None:  # fresh memory the server touched: 4 KiB a fault
                 faulted = (minor_faults(server_pid) - faults) / (large_iters + 3)  # http_times warms up with 3
-                phases_note = f"; server page faults {faulted:,.0f} a call (~{faulted * 4 / 1024:,.0f} MiB)"
+                faults_note = f"; server page faults {faulted:,.0f} a call (~{faulted * 4 / 1024:,.0f} MiB)"
             else:
-                phases_note = ""
+                faults_note = ""
             rows.append(
                 row(
                     name,
@@ -283,7 +283,7 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
                     pct(k_large, 50),
                     nbytes=len(body) + out_size,
                     note=f"{len(body) / 2**20:.0f} MiB in, {out_size / 2**20:.0f} MiB out; {split_note(xs, phases)}"
-                         + phases_note,
+                         + faults_note,
                 )
             )
             if ctype == "application/x-safetensors":

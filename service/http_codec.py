@@ -26,7 +26,7 @@ from starlette.responses import Response
 
 import kernels
 
-from .codec import (  # the safetensors format lives in codec (the client uses it too); re-exported here
+from .codec import (  # the safetensors format lives in codec: the client uses it too
     DTYPE_NAMES,
     MAX_DIMS,
     aligned,

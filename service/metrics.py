@@ -1,7 +1,7 @@
 """Prometheus metrics of the engine, in the spirit of Triton's ``nv_inference_*`` family.
 
 The engine owns one ``CollectorRegistry`` (``engine.metrics_registry``); the HTTP ``/metrics`` route
-renders it with ``prometheus_client.generate_latest(engine.metrics_registry)``. A private registry
+renders it (with the HTTP registry) through ``render``. A private registry
 (not the global one) keeps several engines in one process (tests) from colliding.
 
 Under ``--processes`` (``PROMETHEUS_MULTIPROC_DIR`` set before this module is imported) every value

@@ -65,9 +65,9 @@ def process_count(settings: Settings) -> int:
     return len(devices) if all(d.type == "cuda" for d in devices) else 1
 
 
-def supervise(settings: Settings, argv: Sequence[str]) -> int:
-    """Start ``process_count(settings)`` servers (``python -m service`` with ``argv`` and this
-    process's share of the devices), forward signals, wait; the exit code (0 after a clean stop)."""
+def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
+    """Start ``processes`` servers (``python -m service`` with ``argv`` and this process's share of
+    the devices), forward signals, wait; the exit code (0 after a clean stop)."""
     from .worker import resolve_devices
 
     try:
@@ -84,7 +84,7 @@ def supervise(settings: Settings, argv: Sequence[str]) -> int:
     listener.set_inheritable(True)
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
-    shares = deal_devices(devices, process_count(settings))
+    shares = deal_devices(devices, processes)
     if all(s == "cpu" for s in shares) and "OMP_NUM_THREADS" not in env:
         # CPU workers compute with torch's thread pool: N pools of every core would oversubscribe
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(shares)))

@@ -299,5 +299,5 @@ def main(settings: Settings, argv: Sequence[str] = ()) -> None:
         format="%(asctime)s %(levelname)s " + ("[%(process)d] " if several else "") + "%(name)s: %(message)s",
     )
     if processes > 1:
-        sys.exit(supervise(settings, argv))
+        sys.exit(supervise(settings, argv, processes))
     sys.exit(asyncio.run(serve(settings)))

@@ -257,7 +257,7 @@ class Worker:
             try:
                 outcomes = _finish_all(parts)
                 inputs = max((p.staged_at for p in parts if p.staged_at), default=staged)
-                stamps = (t0, min(inputs, staged), staged, time.perf_counter())
+                stamps = (t0, inputs, staged, time.perf_counter())
                 for outcome in outcomes:
                     if not isinstance(outcome, ServiceError):
                         outcome.stamps = stamps
