@@ -227,6 +227,7 @@ async def serve(settings: Settings) -> int:
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level.lower(),
         http=http_protocol(settings.max_body_bytes),
         lifespan="on", timeout_graceful_shutdown=30, timeout_keep_alive=settings.http_keep_alive_s,
+        access_log=settings.access_log,
     )
     http = uvicorn.Server(config)
     # Signals are handled below, for both servers: left to uvicorn (>= 0.29 captures SIGTERM/SIGINT in

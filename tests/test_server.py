@@ -222,3 +222,19 @@ def test_idle_keep_alive_connections_stay_open(tmp_path):
         assert idle_then_reuse(srv.http_port, 6.0) == b"HTTP/1.1 200 OK"
     with run_server(tmp_path, *FAST, "--http-keep-alive-s", "1") as srv:
         assert idle_then_reuse(srv.http_port, 2.5) is None
+
+
+def test_access_log_is_off_unless_asked(tmp_path):
+    """No line per request by default (it costs the event loop per call; /metrics counts requests
+    by route and status); ``--access-log`` brings uvicorn's back."""
+    line = '"GET /healthz?probe=1 HTTP/1.1" 200'
+    with run_server(tmp_path, *FAST) as srv:
+        assert httpx.get(srv.url + "/healthz?probe=1").status_code == 200
+        srv.proc.terminate()
+        srv.proc.wait(timeout=60)
+        assert line not in srv.log()
+    with run_server(tmp_path, *FAST, "--access-log") as srv:
+        assert httpx.get(srv.url + "/healthz?probe=1").status_code == 200
+        srv.proc.terminate()
+        srv.proc.wait(timeout=60)
+        assert line in srv.log()
