@@ -26,8 +26,9 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-python3}
 OUT=${OUT:-reports/gpu_bench}
-MODE=${1:-all}                       # all | matrix | soak | soak-cells (the soak, then the matrix's
-                                     # cells with batching on, on the same server)
+MODE=${1:-all}                       # all | matrix | matrix-on (its cells with batching on) | soak |
+                                     # soak-cells (the soak, then the matrix's cells with batching on,
+                                     # on the same server)
 CELL_S=${CELL_S:-8}                  # seconds per cell
 PREFILL_CELL_S=${PREFILL_CELL_S:-45} # seconds per prefill cell: a 128 MiB call takes seconds under load,
                                      # and 10 s cells at 256 users finished no request (H200, 2026-11-30)
@@ -145,9 +146,10 @@ rss_mib() {  # the server and its children (--processes)
 case "$MODE" in
   all)    start_server off; matrix off; stop_server; start_server on; matrix on; soak ;;
   matrix) start_server off; matrix off; stop_server; start_server on; matrix on ;;
+  matrix-on) start_server on; matrix on ;;  # the cells with batching on only
   soak)   start_server on; soak ;;
   soak-cells) start_server on; soak; matrix on ;;  # then cells on the same server (batching on)
-  *) echo "usage: $0 [all|matrix|soak|soak-cells]"; exit 2 ;;
+  *) echo "usage: $0 [all|matrix|matrix-on|soak|soak-cells]"; exit 2 ;;
 esac
 stop_server
 

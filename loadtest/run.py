@@ -15,12 +15,14 @@ when sampled, whether memory stayed flat. Exits 1 when any request failed or was
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,13 @@ from loadtest import payloads
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 USER_CLASSES = {"st": "SafetensorsUser", "json": "JsonUser", "oip": "OipUser", "grpc": "GrpcUser"}
+
+
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- Prometheus text
@@ -341,7 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_html:
         cmd += ["--html", f"{prefix}.html"]
     if a.processes != 1:
-        cmd += ["--processes", str(a.processes)]
+        # A port of this run's own: Locust's default (5557) let the workers of a previous run, still
+        # finishing 30 s calls, join the next run's master. On the H200 host (2026-11-30) each gRPC
+        # cell after an HTTP cell counted that cell's HTTP calls, lost its user count to 0 after
+        # ~13 s, and its statistics covered 7 s of 140.
+        port = free_port()
+        cmd += ["--processes", str(a.processes), "--master-bind-port", str(port), "--master-port", str(port)]
     cmd += [a for a in a.locust_args if a != "--"] + [USER_CLASSES[c] for c in classes]
 
     final = Path(f"{prefix}_final.json")
@@ -354,12 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         sampler.start()
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, env=env, cwd=root)
+    proc = subprocess.Popen(cmd, env=env, cwd=root, start_new_session=True)
     try:
         rc = proc.wait()
     except KeyboardInterrupt:  # let Locust write its reports
         proc.send_signal(signal.SIGINT)
         rc = proc.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # workers the master left behind
+            os.killpg(proc.pid, signal.SIGKILL)
     if sampler is not None:
         sampler.stop()
     after = None if a.no_metrics else scrape(metrics_url, a.api_key)

@@ -70,7 +70,7 @@ def media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -> bytearray:
+async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -> bytearray | memoryview:
     """The request body, read chunk by chunk; 413 as soon as it passes ``limit`` bytes.
 
     The buffer grows with the bytes that actually arrive (not with what Content-Length claims), so
@@ -93,12 +93,14 @@ async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -
     buf = bytearray()
     try:
         async for chunk in request.stream():
+            if not chunk:  # Starlette ends the stream with b""
+                continue
             end = len(buf) + len(chunk)
             if end > limit:
                 raise too_large
             if expected is not None and end > expected:
                 raise BadRequest("the body is longer than its Content-Length")
-            if not buf and type(chunk) is bytearray:  # handed over, ours now (server.hand_over_request_bodies)
+            if not buf and type(chunk) in (bytearray, memoryview):  # handed over, ours now (http_protocol)
                 buf = chunk
             else:
                 buf += chunk

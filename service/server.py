@@ -21,6 +21,7 @@ import uvicorn
 
 from . import metrics
 from .engine import Engine
+from .http_protocol import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
 from .settings import Settings
 
 log = logging.getLogger("attnserve")
@@ -73,83 +74,7 @@ def reuse_freed_memory(max_body_bytes: int) -> bool:
     )
 
 
-UVICORN_HANDING_OVER = "0.54.0"  # the uvicorn whose httptools cycle ``hand_over_request_bodies`` knows
-
-
-def hand_over_request_bodies() -> bool:
-    """Let uvicorn hand the bytes it has gathered of a request body to the app as they are,
-    instead of copying them into a new ``bytes`` for each ASGI message; True when installed.
-
-    Its httptools cycle collects a body into a bytearray and answers ``receive()`` with
-    ``bytes(self.body)``: one more copy of every byte, on the event loop. Handing the bytearray
-    over (and starting a new one) read a 256 MiB body in 85-91 ms instead of 109-237 ms (CPU box,
-    2026-11-30). The receive below is uvicorn's own but for that line, so it is installed only on
-    the uvicorn version it was read from; on another, bodies are copied as before.
-    """
-    from uvicorn.protocols.http import httptools_impl as impl
-
-    if uvicorn.__version__ != UVICORN_HANDING_OVER:
-        return False
-    if getattr(impl.RequestResponseCycle, "hands_over_bodies", False):
-        return True
-
-    class HandingOverCycle(impl.RequestResponseCycle):
-        hands_over_bodies = True
-
-        async def receive(self):
-            if self.waiting_for_100_continue and not self.transport.is_closing():
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                self.waiting_for_100_continue = False
-            if not self.disconnected and not self.response_complete:
-                self.flow.resume_reading()
-                await self.message_event.wait()
-                self.message_event.clear()
-            if self.disconnected or self.response_complete:
-                return {"type": "http.disconnect"}
-            body, self.body = self.body, bytearray()  # uvicorn: bytes(self.body)
-            return {"type": "http.request", "body": body, "more_body": self.more_body}
-
-    impl.RequestResponseCycle = HandingOverCycle
-    return True
-
-
-def http_protocol(gather_bytes: int) -> type[asyncio.Protocol] | str:
-    """uvicorn's httptools protocol, waking the app once per request body (or once per
-    ``gather_bytes`` of it) instead of once per socket read; on a uvicorn other than the one it
-    was read from, uvicorn's own ("httptools").
-
-    uvicorn sets the app's receive event for every piece the socket gives (256 KiB at most, often
-    less) and stops reading past 64 KiB until the app has taken it: a 192 MiB body came as 640-770
-    pieces, each a wake-up of the handler and one more copy of the piece into its buffer. Gathered,
-    the handler wakes once and takes the whole body as it is (``hand_over_request_bodies``: no
-    copy). Reading on without the app holds no more memory than before: the handler keeps every
-    byte of a body anyway, up to ``--max-body-mb``, which is what ``gather_bytes`` is. CPU box,
-    2026-11-30, server and client each pinned to one core, medians of 14 calls of 192 MiB: the
-    server's read phase 55-58 ms instead of 66-67 (and 134 in one run); a bare uvicorn app 54-56
-    instead of 61-78.
-
-    Reading a declared body into one buffer of its size instead (no realloc while it grows) was
-    tried and is slower here: a fresh ``numpy.empty`` or ``torch.empty`` buffer faulted its pages
-    in at 0.55-0.64 s per 192 MiB on the first or every other call (CPU box), where the grown
-    bytearray keeps reusing the heap.
-    """
-    if uvicorn.__version__ != UVICORN_HANDING_OVER:
-        return "httptools"
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class GatheringProtocol(HttpToolsProtocol):
-        def on_body(self, body: bytes) -> None:  # uvicorn's own, but for when the app is woken
-            if (self.parser.should_upgrade() and self._should_upgrade()) or self.cycle.response_complete:
-                return
-            self.cycle.body += body
-            if len(self.cycle.body) >= gather_bytes:
-                self.flow.pause_reading()
-                self.cycle.message_event.set()
-
-    return GatheringProtocol
-
-
-async def trim_heap_when_idle(engine: Engine, idle_s: float) -> None:
+async def trim_heap_when_idle(engine: Engine, idle_s: float, bodies: BodyBuffers | None = None) -> None:
     """Give freed heap back to the OS (glibc's ``malloc_trim``) once the engine has seen no request
     come or go for ``idle_s`` (checked every ``idle_s``: trimmed within 2x of going idle).
 
@@ -165,6 +90,8 @@ async def trim_heap_when_idle(engine: Engine, idle_s: float) -> None:
         return
 
     def release() -> None:
+        if bodies is not None:  # its free pinned body buffers, before torch's host cache is emptied
+            bodies.trim()
         engine.release_cached_host_memory()
         malloc_trim(0)
 
@@ -223,9 +150,13 @@ async def serve(settings: Settings) -> int:
         log.error("cannot start: %s", exc)
         return 2
     app = create_app(engine, settings)
+    bodies = BodyBuffers(any(w.device.type == "cuda" for w in engine.workers), settings.pinned_body_bytes)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level.lower(),
-        http=http_protocol(settings.max_body_bytes),
+        http=http_protocol(
+            settings.max_body_bytes,
+            bodies,
+        ),
         lifespan="on", timeout_graceful_shutdown=30, timeout_keep_alive=settings.http_keep_alive_s,
         access_log=settings.access_log,
     )
@@ -254,7 +185,7 @@ async def serve(settings: Settings) -> int:
     refresh_task = asyncio.create_task(refresh_metrics(engine)) if metrics.MULTIPROCESS else None
     trim_task = None
     if reusing and settings.memory_trim_idle_s > 0:
-        trim_task = asyncio.create_task(trim_heap_when_idle(engine, settings.memory_trim_idle_s))
+        trim_task = asyncio.create_task(trim_heap_when_idle(engine, settings.memory_trim_idle_s, bodies))
 
     exit_code = 0
     pending = {stop_task, http_task, start_task}

@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     )
     max_queue_size: int = Field(1024, gt=0, description="requests held (queued or running) before new ones get 429")
     max_body_mb: float = Field(1024.0, gt=0, description="largest request body (HTTP) or message (gRPC), in MiB")
+    pinned_body_mb: float = Field(
+        4096.0, ge=0,
+        description="on GPUs, request bodies of 1 MiB and more are read into page-locked buffers, so that "
+        "their tensors go to the GPU without a copy into pinned memory first; the buffers (power-of-two "
+        "sizes, kept for reuse, the free ones let go when idle for --memory-trim-idle-s) hold at most "
+        "this many MiB; 0: never",
+    )
     max_json_mb: float = Field(
         64.0,
         gt=0,
@@ -133,6 +140,10 @@ class Settings(BaseSettings):
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
+
+    @property
+    def pinned_body_bytes(self) -> int:
+        return int(self.pinned_body_mb * 1024 * 1024)
 
     @property
     def max_json_bytes(self) -> int:

@@ -262,8 +262,13 @@ class Worker:
                     if not isinstance(outcome, ServiceError):
                         outcome.stamps = stamps
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                parts.clear()
                 loop.call_soon_threadsafe(settle, None, exc)
             else:
+                # The executor holds this call's arguments until it returns, and the parts hold the
+                # pinned host buffers of the answers: let them go before the caller is answered, or
+                # an idle release right after the answer finds them still in use (H200, 2026-11-30).
+                parts.clear()
                 loop.call_soon_threadsafe(settle, outcomes)
 
         def launch() -> None:
@@ -376,7 +381,12 @@ class Worker:
                     continue
                 nbytes = _stacked_nbytes(*g)
                 if nbytes > SHARED_STAGING_MAX_BYTES:
-                    out[i] = _concat(*g, pin=True).to(self.device, non_blocking=True)
+                    parts, dtype = g
+                    lone = parts[0] if len(parts) == 1 else None
+                    if lone is not None and lone.dtype == dtype and lone.is_contiguous() and lone.is_pinned():
+                        out[i] = lone.to(self.device, non_blocking=True)  # a body read into pinned memory
+                    else:
+                        out[i] = _concat(*g, pin=True).to(self.device, non_blocking=True)
                 else:
                     shared.append((i, shared_bytes, g))
                     shared_bytes += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN

@@ -310,6 +310,85 @@ def test_gpu_idle_release_frees_the_cached_pinned_staging():
     assert held > before and left <= before, (before, held, left)  # blocks may be reused within the call
 
 
+def pinned_body(bodies, n: int) -> memoryview:
+    """A body buffer of ``n`` bytes in pinned memory: the first ask only has one made (in a thread)."""
+    for _ in range(500):
+        body = bodies(n)
+        if isinstance(body, memoryview):
+            return body
+        time.sleep(0.01)
+    raise AssertionError("no pinned body buffer was made")
+
+
+@pytest.mark.gpu
+def test_gpu_request_tensors_in_pinned_memory_go_to_the_device_without_a_staging_copy(monkeypatch):
+    """A safetensors body that the server read into pinned memory (``http_protocol.BodyBuffers``):
+    its q, k and v are sent to the GPU from where they lie, with no copy into a staging buffer
+    first, and the answer is the one the same tensors in ordinary memory get."""
+    from safetensors.torch import save
+
+    from service import worker as worker_mod
+    from service.codec import parse_safetensors
+    from service.http_protocol import BodyBuffers
+
+    staged: list[int] = []
+    concat = worker_mod._concat
+
+    def counting_concat(parts, dtype, pin):
+        staged.append(sum(p.nbytes for p in parts))
+        return concat(parts, dtype, pin)
+
+    monkeypatch.setattr(worker_mod, "_concat", counting_concat)
+    q, k, v = qkv(b=2, hq=8, hkv=8, nq=1024, nk=1024, d=64, dtype=torch.float16, seed=3)  # 2 MiB each
+    data = save({"q": q, "k": k, "v": v})
+    body = pinned_body(BodyBuffers(pinned=True, budget=1 << 30), len(data))
+    body[:] = data
+    tensors, _ = parse_safetensors(body)
+    assert all(t.is_pinned() for t in tensors.values())
+
+    async def main():
+        engine = Engine(load_settings(["--device", "cuda:0", "--warmup-shapes", "1x1x8x64"]))
+        await engine.start()
+        pinned = await engine.attend(AttentionRequest(q=tensors["q"], k=tensors["k"], v=tensors["v"]))
+        n_pinned = len(staged)
+        plain = await engine.attend(AttentionRequest(q=q, k=k, v=v))
+        await engine.drain()
+        return pinned, n_pinned, plain
+
+    pinned, n_pinned, plain = asyncio.run(main())
+    assert n_pinned == 0 and staged == [q.nbytes, k.nbytes, v.nbytes]  # only the unpinned request was staged
+    assert torch.equal(pinned.o, plain.o)
+    assert torch.equal(plain.o, kernels.attention(q.cuda(), k.cuda(), v.cuda()).cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_body_buffers_are_reused_within_their_budget():
+    """``BodyBuffers``: pinned buffers are made off the caller's thread, kept within the budget
+    (the heap beyond it), reused once nothing views their body, and let go by ``trim`` when free."""
+    from service.http_protocol import BodyBuffers
+
+    bodies = BodyBuffers(pinned=True, budget=3 << 20)
+    a = pinned_body(bodies, 2 << 20)
+    assert torch.frombuffer(a, dtype=torch.uint8).is_pinned() and len(a) == 2 << 20
+    view = torch.frombuffer(a[100:200], dtype=torch.uint8)  # as parse_safetensors makes them
+    address = view.data_ptr() - 100
+    assert isinstance(bodies(2 << 20), bytearray)  # a second 2 MiB buffer would pass the budget
+    del a
+    gc.collect()
+    assert isinstance(bodies(2 << 20), bytearray)  # the view still holds the first body
+    bodies.trim()  # in use: not let go
+    assert bodies.pinned_bytes == 2 << 20
+    del view
+    gc.collect()
+    again = bodies((2 << 20) - 5)
+    assert isinstance(again, memoryview) and torch.frombuffer(again, dtype=torch.uint8).data_ptr() == address
+    del again
+    gc.collect()
+    bodies.trim()
+    assert bodies.pinned_bytes == 0
+    assert isinstance(BodyBuffers(pinned=False, budget=1 << 30)(2 << 20), bytearray)
+
+
 @pytest.mark.gpu
 def test_gpu_staging_of_misaligned_decode_batches():
     """Decode-like requests batched on a GPU: q small (staged in a buffer shared with kv_lengths),

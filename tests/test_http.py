@@ -760,7 +760,7 @@ def test_a_body_of_many_chunks_arrives_whole(http):
     together in order: a 12 MiB call sent in uneven chunks gives the reference answer."""
     import uvicorn
 
-    from service.server import UVICORN_HANDING_OVER, hand_over_request_bodies
+    from service.http_protocol import UVICORN_HANDING_OVER, hand_over_request_bodies
 
     assert hand_over_request_bodies() is (uvicorn.__version__ == UVICORN_HANDING_OVER)
     q = torch.randn(1, 2, 64, 32)

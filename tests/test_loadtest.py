@@ -3,6 +3,7 @@ failures, failures counted when the server refuses, and the answer check failing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import struct
@@ -63,6 +64,24 @@ def test_smoke_every_user_zero_failures(server, tmp_path):
     report.main(["--from-csv", str(tmp_path / "rep" / "results.csv"), "--out", str(tmp_path / "again")])
     assert (tmp_path / "again" / "results.md").read_text() == table
     assert (tmp_path / "again" / "small_p99.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_worker_processes_meet_only_their_own_master(server, tmp_path):
+    """With --processes, a run's Locust workers talk to its master on a port of its own: on Locust's
+    default port (5557, held here by another listener, as by a previous run's master or workers)
+    a run would fail, or count another run's users (H200 host, 2026-11-30)."""
+    import socket
+
+    with contextlib.ExitStack() as stack:
+        squatter = stack.enter_context(socket.socket())
+        with contextlib.suppress(OSError):  # already taken on this machine: it is held anyway
+            squatter.bind(("0.0.0.0", 5557))
+            squatter.listen()
+        rc, summary, out = loadtest(server, tmp_path, "--users", "2", "--run-time", "4s", "--mix", "small",
+                                    "--user-class", "st", "--api-key", KEY, "--processes", "2")
+    r = summary["result"]
+    assert rc == 0, out
+    assert r["failures"] == 0 and r["requests"] > 0, out
 
 
 def test_refused_requests_are_failures(server, tmp_path):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
 import httpx
+import pytest
 
 from tests.conftest import FAST, run_server
 
@@ -118,15 +121,51 @@ def test_bad_http_fd_stops_startup(tmp_path):
         assert "--http-fd 987: not an open socket" in server.log() and "Traceback" not in server.log()
 
 
-def test_a_body_wakes_the_app_once_per_gathered_piece():
-    """The server's HTTP protocol (``http_protocol``) hands a body to the app whole, or in pieces of
-    ``gather_bytes``, however the socket delivers it: uvicorn alone woke the app for every read."""
+@contextlib.contextmanager
+def _uvicorn(app, protocol) -> Iterator[int]:
+    """uvicorn serving ``app`` with ``protocol`` in a thread of this process: yields its port."""
     import asyncio
     import threading
 
     import uvicorn
 
-    from service.server import UVICORN_HANDING_OVER, hand_over_request_bodies, http_protocol
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn.Config(app, port=port, http=protocol, lifespan="off", log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        for _ in range(1000):  # up to 20 s on a loaded CI machine
+            if server.started:
+                break
+            threading.Event().wait(0.02)
+        assert server.started, "uvicorn did not start"
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+async def _receive_all(receive) -> tuple[list, bool]:
+    """(the body of every http.request message, whether the client disconnected)."""
+    pieces = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return pieces, True
+        pieces.append(message["body"])
+        if not message["more_body"]:
+            return pieces, False
+
+
+def test_a_body_wakes_the_app_once_per_gathered_piece():
+    """The server's HTTP protocol (``http_protocol``) hands a body to the app whole, or in pieces of
+    ``gather_bytes``, however the socket delivers it: uvicorn alone woke the app for every read."""
+    import uvicorn
+
+    from service.http_protocol import UVICORN_HANDING_OVER, hand_over_request_bodies, http_protocol
 
     if uvicorn.__version__ != UVICORN_HANDING_OVER:
         assert http_protocol(1 << 20) == "httptools"
@@ -140,45 +179,107 @@ def test_a_body_wakes_the_app_once_per_gathered_piece():
         async def app(scope, receive, send):
             if scope["type"] != "http":
                 return
-            data, n = bytearray(), 0
-            while True:
-                message = await receive()
-                data += message["body"]
-                n += 1
-                if not message["more_body"]:
-                    break
-            got.append(n if bytes(data) == body else -1)
+            pieces, _ = await _receive_all(receive)
+            got.append(len(pieces) if b"".join(pieces) == body else -1)
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        config = uvicorn.Config(app, port=port, http=http_protocol(gather_bytes), lifespan="off", log_level="error")
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
-        thread.start()
-        try:
-            for _ in range(1000):  # up to 20 s on a loaded CI machine
-                if server.started:
-                    break
-                threading.Event().wait(0.02)
-            assert server.started, "uvicorn did not start"
-
-            def chunks():  # many small writes: the server's reads see small pieces
+        with _uvicorn(app, http_protocol(gather_bytes)) as port:
+            def chunks():  # many small writes, chunked encoding: the server's reads see small pieces
                 for i in range(0, len(body), 64 << 10):
                     yield body[i : i + (64 << 10)]
 
             r = httpx.post(f"http://127.0.0.1:{port}/", content=chunks(), timeout=30)
             assert r.status_code == 200
-        finally:
-            server.should_exit = True
-            thread.join(10)
         (n,) = got
         return n
 
     assert pieces_of_one_call(64 << 20) == 1  # the whole body at once
     assert pieces_of_one_call(1 << 20) >= 4  # at least every MiB
+
+
+def test_a_big_declared_body_is_read_straight_into_one_buffer():
+    """A body with a Content-Length of at least DIRECT_READ_MIN_BYTES is read into one buffer from
+    the allocator and handed to the app as it is (one copy, the kernel's), however it arrives: with
+    its headers or after them, in small writes, after a 100 Continue. The connection then parses
+    the next request as usual; a client gone mid-body harms nobody else."""
+    import hashlib
+
+    import uvicorn
+
+    from service.http_protocol import (
+        DIRECT_READ_MIN_BYTES,
+        UVICORN_HANDING_OVER,
+        hand_over_request_bodies,
+        http_protocol,
+    )
+
+    if uvicorn.__version__ != UVICORN_HANDING_OVER:
+        return
+    hand_over_request_bodies()
+    buffers: list[bytearray] = []
+    disconnects: list[bool] = []
+
+    def allocate(n: int) -> bytearray:
+        buffers.append(bytearray(n))
+        return buffers[-1]
+
+    async def app(scope, receive, send):  # answers the sha256 of the body, and whether it was direct
+        if scope["type"] != "http":
+            return
+        pieces, gone = await _receive_all(receive)
+        if gone:
+            disconnects.append(True)
+            return
+        data = b"".join(pieces)
+        direct = len(pieces) == 1 and any(pieces[0] is b for b in buffers)
+        answer = f"{hashlib.sha256(data).hexdigest()} {int(direct)}".encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
+
+    def call(s: socket.socket, body: bytes, split: int | None = 0, expect: bool = False) -> tuple[str, str]:
+        """POST ``body`` on ``s``: headers and body in one write (split None), or the headers, then
+        the body in writes of ``split`` bytes (0: one write); -> (sha256, direct flag)."""
+        head = f"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n".encode()
+        head += b"Expect: 100-continue\r\n\r\n" if expect else b"\r\n"
+        if split is None:
+            s.sendall(head + body)
+        else:
+            s.sendall(head)
+            if expect:
+                assert s.recv(64).startswith(b"HTTP/1.1 100 Continue")
+            step = split or len(body)
+            for i in range(0, len(body), step):
+                s.sendall(body[i : i + step])
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(4096)
+        head_in, rest = data.split(b"\r\n\r\n", 1)
+        length = int(head_in.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(rest) < length:
+            rest += s.recv(4096)
+        digest, direct = rest.decode().split()
+        return digest, direct
+
+    big = bytes(range(251)) * (DIRECT_READ_MIN_BYTES // 251 * 3)  # ~3 MiB, not a multiple of any read
+    small = b"x" * 1000
+    sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    with _uvicorn(app, http_protocol(64 << 20, allocate)) as port:
+        with socket.create_connection(("127.0.0.1", port)) as s:  # one keep-alive connection
+            assert call(s, big) == (sha(big), "1")
+            assert call(s, small) == (sha(small), "0")  # parsed by a fresh parser
+            assert call(s, big, split=None) == (sha(big), "1")  # headers and body in one write
+            assert call(s, big, split=65536 + 7) == (sha(big), "1")
+            assert call(s, big[: DIRECT_READ_MIN_BYTES - 1]) == (sha(big[: DIRECT_READ_MIN_BYTES - 1]), "0")
+            assert call(s, big, expect=True) == (sha(big), "1")
+            assert call(s, small, split=None) == (sha(small), "0")
+        with socket.create_connection(("127.0.0.1", port)) as gone:  # half a body, then away
+            gone.sendall(f"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: {len(big)}\r\n\r\n".encode())
+            gone.sendall(big[: len(big) // 2])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            assert call(s, big) == (sha(big), "1")
+    assert len(buffers) == 6 and disconnects == [True]
 
 
 def test_idle_keep_alive_connections_stay_open(tmp_path):
@@ -238,3 +339,24 @@ def test_access_log_is_off_unless_asked(tmp_path):
         srv.proc.terminate()
         srv.proc.wait(timeout=60)
         assert line in srv.log()
+
+
+@pytest.mark.gpu
+def test_gpu_big_bodies_read_into_pinned_buffers_get_right_answers(tmp_path):
+    """Over HTTP on a GPU: bodies of 3 MiB, the first read into the heap while a pinned buffer is
+    made, the next ones into that buffer and sent to the GPU from it; every answer against the
+    float64 reference, and a small call on the same connection in between."""
+    import torch
+
+    from service.client import AttentionClient
+    from tests.reference64 import attention64
+
+    with run_server(tmp_path, "--device", "cuda:0", *FAST[:2], "--warmup-shapes", "1x8x1024x64",
+                    "--warmup-dtypes", "float16") as srv, AttentionClient(srv.url) as client:
+        for seed in range(5):
+            g = torch.Generator().manual_seed(seed)
+            q, k, v = (torch.randn(1, 8, 1024, 64, generator=g).half() for _ in range(3))  # 1 MiB each
+            o = client.attention(q, k, v)
+            assert (o.double() - attention64(q, k, v)[0]).abs().max() < 2e-3, seed
+            small = client.attention(q[:, :, :16], k[:, :, :16], v[:, :, :16])
+            assert (small.double() - attention64(q[:, :, :16], k[:, :, :16], v[:, :, :16])[0]).abs().max() < 2e-3
