@@ -15,6 +15,7 @@ Errors raise ``AttentionServiceError`` carrying the HTTP ``status``, the service
 
 from __future__ import annotations
 
+import http.client
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -22,7 +23,7 @@ import orjson
 import torch
 import urllib3
 
-from .codec import parse_safetensors, safetensors_parts
+from .codec import parse_safetensors, safetensors_parts, uninitialized_bytearray
 from .errors import ServiceError
 
 SAFETENSORS = "application/x-safetensors"
@@ -45,14 +46,22 @@ def _parts(tensors: dict[str, torch.Tensor | None]) -> list[memoryview]:
 
 def _read_body(r: urllib3.BaseHTTPResponse) -> bytearray:
     """The whole answer into one writable buffer sized by Content-Length (the tensors returned are
-    views of it: no copy after the socket's)."""
+    views of it: no copy after the socket's).
+
+    Read through http.client's response under urllib3's: urllib3's ``readinto`` reads into a new
+    ``bytes`` and copies that, and http.client's ``read(n)`` does the same once more, each a fresh
+    buffer to fault in. H200 host, 2026-11-30: a 1x32x8192x128 bf16 call (64 MiB back) took 199.5
+    ms through this client that way, 97.2 ms from a bare socket. The server never compresses."""
     length = r.headers.get("content-length")
     if length is None:
         return bytearray(r.read())
-    buf = bytearray(int(length))
+    buf = uninitialized_bytearray(int(length))
+    raw = getattr(r, "_fp", None)
+    direct = isinstance(raw, http.client.HTTPResponse) and "content-encoding" not in r.headers
+    readinto = raw.readinto if direct else r.readinto
     view, got = memoryview(buf), 0
     while got < len(buf):
-        n = r.readinto(view[got:])
+        n = readinto(view[got:])
         if not n:
             raise urllib3.exceptions.ProtocolError(f"the answer ended after {got} of {len(buf)} bytes")
         got += n

@@ -4,6 +4,7 @@ Open Inference Protocol, and raw little-endian row-major buffers. No transport l
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import sys
 import time
@@ -158,6 +159,16 @@ class ServerTiming:
             name, _, dur = part.partition(";dur=")
             out[name] = float(dur)
         return out
+
+
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize  # (NULL, n): not zeroed
+_new_bytearray.restype, _new_bytearray.argtypes = ctypes.py_object, (ctypes.c_char_p, ctypes.c_ssize_t)
+
+
+def uninitialized_bytearray(n: int) -> bytearray:
+    """``n`` writable bytes, not zeroed: a buffer about to be filled whole (a body read from a
+    socket) need not be written twice."""
+    return _new_bytearray(None, n)
 
 
 # ---------------------------------------------------------------- safetensors files

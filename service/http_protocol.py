@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -17,19 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
+from .codec import uninitialized_bytearray
+
+log = logging.getLogger("attnserve.http")
+
 Body = bytearray | memoryview  # what the app receives: a request body, writable, the app's to keep
 
 DIRECT_READ_MIN_BYTES = 1 << 20  # bodies declared at least this big are read straight into one buffer
 PINNED_MIN_BYTES = 1 << 20  # pinned body buffers come in powers of two from here
 
-_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize  # (NULL, n): not zeroed
-_new_bytearray.restype, _new_bytearray.argtypes = ctypes.py_object, (ctypes.c_char_p, ctypes.c_ssize_t)
-
-
 def heap_buffer(n: int) -> bytearray:
     """``n`` writable bytes from the heap, not zeroed (``server.reuse_freed_memory`` has glibc keep
     big freed blocks for the next body, so they come without page faults)."""
-    return _new_bytearray(None, n)
+    return uninitialized_bytearray(n)
 
 
 class BodyBuffers:
@@ -50,7 +50,9 @@ class BodyBuffers:
         self._free: dict[int, list] = {}  # size -> free pinned tensors (torch.uint8) of that size
         self._total = 0  # bytes of pinned buffers, free or in use (and being made)
         self._making: set[int] = set()
-        self._lock = threading.Lock()
+        # re-entrant: a body's last view can die in a garbage collection that runs while this
+        # thread holds the lock, and its finalizer gives the buffer back
+        self._lock = threading.RLock()
         self._maker = ThreadPoolExecutor(1, "attnserve-pin") if self.pinned else None
 
     def __call__(self, n: int) -> Body:
@@ -76,12 +78,15 @@ class BodyBuffers:
 
         try:
             block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # no pinned memory to be had: bodies stay on the heap
+        except RuntimeError as exc:  # no pinned memory to be had: bodies stay on the heap from now on
+            log.warning("cannot pin %d MiB for request bodies (%s); they are read into ordinary memory",
+                        size >> 20, exc)
             block = None
         with self._lock:
             self._making.discard(size)
             if block is None:
                 self._total -= size
+                self.pinned = False
             else:
                 self._free.setdefault(size, []).append(block)
 

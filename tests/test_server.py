@@ -360,3 +360,26 @@ def test_gpu_big_bodies_read_into_pinned_buffers_get_right_answers(tmp_path):
             assert (o.double() - attention64(q, k, v)[0]).abs().max() < 2e-3, seed
             small = client.attention(q[:, :, :16], k[:, :, :16], v[:, :, :16])
             assert (small.double() - attention64(q[:, :, :16], k[:, :, :16], v[:, :, :16])[0]).abs().max() < 2e-3
+
+
+def test_body_buffers_without_pinned_memory_use_the_heap(caplog):
+    """Where memory cannot be pinned (no CUDA here), the first big body goes to the heap, the
+    failed attempt is logged once, and every later body goes to the heap without trying again."""
+    import time
+
+    import torch
+
+    from service.http_protocol import BodyBuffers
+
+    if torch.cuda.is_available():
+        pytest.skip("pinning works here")
+    bodies = BodyBuffers(pinned=True, budget=64 << 20)
+    first = bodies(3 << 20)
+    assert isinstance(first, bytearray) and len(first) == 3 << 20
+    for _ in range(500):
+        if not bodies.pinned:
+            break
+        time.sleep(0.01)
+    assert not bodies.pinned and bodies.pinned_bytes == 0
+    assert isinstance(bodies(3 << 20), bytearray)
+    assert sum("cannot pin" in r.getMessage() for r in caplog.records) == 1
