@@ -102,8 +102,12 @@ trap stop_server EXIT
 # ---------------------------------------------------------------- runs
 loadtest() {  # extra args to loadtest.run; never fails the script (failures are in the summary)
   "$PY" -m loadtest.run --host "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
-    --reports-dir "$OUT/cells" --no-html --stop-timeout 5 --processes "$PROCESSES" "$@" >>"$LOG" 2>&1 \
+    --reports-dir "$OUT/cells" --no-html --stop-timeout 5 --processes "$PROCESSES" \
+    --locust-loglevel "${LOCUST_LOGLEVEL:-INFO}" "$@" >>"$LOG" 2>&1 \
     || say "  (exit $?: failures or no requests; see the summary)"
+  # a Locust worker killed for memory leaves no trace in its own log (a gRPC prefill cell at 256
+  # users lost every worker within seconds, H200 host, 2026-11-30)
+  dmesg 2>/dev/null | grep -iE "out of memory|oom-kill|killed process" | tail -5 | sed 's/^/  dmesg: /' >>"$LOG" || true
 }
 
 last_summary() {  # the key lines of the last run's printed summary

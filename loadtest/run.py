@@ -310,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default=None, help="report file prefix (default: <mix>_<classes>_u<users>)")
     ap.add_argument("--reports-dir", default="reports")
     ap.add_argument("--no-html", action="store_true", help="skip Locust's HTML report")
+    ap.add_argument("--locust-loglevel", default="WARNING",
+                    help="Locust's own log level (INFO shows workers lost and re-added: missed heartbeats)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="client-side timeout per request, s")
     ap.add_argument("--api-key", default=os.environ.get("LOADTEST_API_KEY"), help="[env LOADTEST_API_KEY]")
     ap.add_argument("--sample-memory", action="append", default=[], metavar="PID|URL|nvidia-smi",
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
            "--stop-timeout", f"{a.stop_timeout:g}",
            "--csv", str(prefix), "--mix", a.mix, "--grpc-target", grpc_target,
            "--request-timeout", f"{a.request_timeout:g}", "--final-stats", f"{prefix}_final.json",
-           "--loglevel", "WARNING"]
+           "--loglevel", a.locust_loglevel]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
     if not a.no_html:

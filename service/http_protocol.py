@@ -26,6 +26,7 @@ Body = bytearray | memoryview  # what the app receives: a request body, writable
 DIRECT_READ_MIN_BYTES = 1 << 20  # bodies declared at least this big are read straight into one buffer
 PINNED_MIN_BYTES = 1 << 20  # pinned body buffers come in powers of two from here
 
+
 def heap_buffer(n: int) -> bytearray:
     """``n`` writable bytes from the heap, not zeroed (``server.reuse_freed_memory`` has glibc keep
     big freed blocks for the next body, so they come without page faults)."""
@@ -164,8 +165,8 @@ def http_protocol(gather_bytes: int, allocate: Callable[[int], Body] | None = No
 
     Direct reads: each piece of a body still costs three copies on the way (the socket's into a
     new ``bytes``, httptools' ``on_body`` into another, that one into the gathered buffer). A body
-    of at least DIRECT_READ_MIN_BYTES with a Content-Length (not chunked, not pipelined behind
-    another request) is instead read by ``_BodyReader``, a buffered protocol that the transport
+    of at least DIRECT_READ_MIN_BYTES with a Content-Length (not chunked, not JSON, not pipelined
+    behind another request) is instead read by ``_BodyReader``, a buffered protocol that the transport
     fills with ``recv_into``: one copy, the kernel's. The parser, which never saw those bytes, is
     replaced by a fresh one for the next request on the connection.
     """
@@ -188,6 +189,8 @@ def http_protocol(gather_bytes: int, allocate: Callable[[int], Body] | None = No
             for name, value in self.headers:
                 if name == b"transfer-encoding":
                     return 0
+                if name == b"content-type" and value.lower().startswith(b"application/json"):
+                    return 0  # parsed as text, held to --max-json-mb: nothing to gain, pinned memory to waste
                 if name == b"content-length":
                     length = int(value) if value.isdigit() else 0
             return length if DIRECT_READ_MIN_BYTES <= length <= gather_bytes else 0

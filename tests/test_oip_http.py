@@ -311,3 +311,14 @@ def test_binary_data_output_raw(server):
     o = torch.frombuffer(bytearray(r.content[n : n + sizes[0]]), dtype=torch.float32).reshape(q.shape)
     lse = torch.frombuffer(bytearray(r.content[n + sizes[0] :]), dtype=torch.float32).reshape(q.shape[:3])
     assert_matches(o, q, k, v, lse)
+
+
+def test_tritonclient_binary_body_over_a_mebibyte(client):
+    """A binary infer request of 4 MiB: read straight into one buffer (http_protocol's direct
+    read), its JSON part parsed from that buffer and its tensors viewed in it."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 16, 64, generator=g)
+    k, v = (torch.randn(1, 4, 2048, 64, generator=g) for _ in range(2))  # 2 MiB each
+    result = client.infer("attention", inputs({"q": q, "k": k, "v": v}, True),
+                          outputs=[triton.InferRequestedOutput("o", binary_data=True)])
+    assert_matches(from_numpy(result.as_numpy("o")), q, k, v)

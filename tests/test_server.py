@@ -238,10 +238,11 @@ def test_a_big_declared_body_is_read_straight_into_one_buffer():
                     "headers": [(b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
 
-    def call(s: socket.socket, body: bytes, split: int | None = 0, expect: bool = False) -> tuple[str, str]:
+    def call(s: socket.socket, body: bytes, split: int | None = 0, expect: bool = False,
+             ctype: str = "application/x-safetensors") -> tuple[str, str]:
         """POST ``body`` on ``s``: headers and body in one write (split None), or the headers, then
         the body in writes of ``split`` bytes (0: one write); -> (sha256, direct flag)."""
-        head = f"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n".encode()
+        head = f"POST / HTTP/1.1\r\nHost: t\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n".encode()
         head += b"Expect: 100-continue\r\n\r\n" if expect else b"\r\n"
         if split is None:
             s.sendall(head + body)
@@ -274,6 +275,7 @@ def test_a_big_declared_body_is_read_straight_into_one_buffer():
             assert call(s, big[: DIRECT_READ_MIN_BYTES - 1]) == (sha(big[: DIRECT_READ_MIN_BYTES - 1]), "0")
             assert call(s, big, expect=True) == (sha(big), "1")
             assert call(s, small, split=None) == (sha(small), "0")
+            assert call(s, big, ctype="application/json") == (sha(big), "0")  # JSON: parsed as before
         with socket.create_connection(("127.0.0.1", port)) as gone:  # half a body, then away
             gone.sendall(f"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: {len(big)}\r\n\r\n".encode())
             gone.sendall(big[: len(big) // 2])
