@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import gevent
 import grpc
-import grpc.experimental.gevent as grpc_gevent
+import locust.runners
 from locust import FastHttpUser, User, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
@@ -37,7 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `locust -f lo
 from loadtest import payloads  # noqa: E402
 from loadtest.payloads import WrongAnswer  # noqa: E402
 
-grpc_gevent.init_gevent()  # before any channel: grpc's polling then yields to gevent's loop
+# gRPC users call in native threads (gevent's thread pool), not through grpc's gevent mode: with
+# 16 users per process sending 96 MiB messages, building, sending and parsing held the process's
+# gevent loop for seconds, its heartbeats stopped, and the master dropped every worker (CPU box:
+# "failed to send heartbeat ... The last worker went missing, stopping test"; the H200 host's gRPC
+# prefill cells at 256 users lost all their users, 2026-11-30). In threads the loop keeps running:
+# grpc releases the GIL while it waits, and a big copy holds it for tens of milliseconds at most.
+GRPC_THREADS = 1024  # at most this many calls at once per Locust process (one per gRPC user)
+# A worker busy with big requests may still miss Locust's 3 s of heartbeats on a loaded host (the
+# CPU box lost both workers that way with the calls in threads, while the suite ran beside it):
+# the master waits 30 s before it drops a silent worker and stops the run.
+locust.runners.HEARTBEAT_LIVENESS = 30
 
 GRPC_MAX_MESSAGE = 1 << 30  # API.md §3: at least 1 GiB each way
 
@@ -211,7 +222,15 @@ class GrpcUser(User):
     @task
     def attend(self) -> None:
         p = _State.pool(_State.mix).draw(self.rng)
-        s = p.shape
+        pool = gevent.get_hub().threadpool
+        pool.maxsize = max(pool.maxsize, GRPC_THREADS)
+        elapsed, length, exc = pool.apply(self._call, (p,))  # this greenlet waits; the others run
+        self.environment.events.request.fire(
+            request_type="grpc", name=f"grpc {p.shape.label}", response_time=elapsed * 1000.0,
+            response_length=length, exception=exc, context={})
+
+    def _call(self, p) -> tuple[float, int, Exception | None]:
+        """In a native thread: one Attend, its answer checked -> (seconds, answer bytes, failure)."""
         req, exp = payloads.grpc_attend_body(p, self.rng, self.pb)
         start, length, exc = time.perf_counter(), 0, None
         try:
@@ -225,6 +244,4 @@ class GrpcUser(User):
             exc = RuntimeError(f"gRPC {e.code().name}: {e.details()}")
         except WrongAnswer as e:
             exc = e
-        self.environment.events.request.fire(
-            request_type="grpc", name=f"grpc {s.label}", response_time=elapsed * 1000.0,
-            response_length=length, exception=exc, context={})
+        return elapsed, length, exc

@@ -290,3 +290,23 @@ def test_grpc_body_is_the_request_built_as_a_message(label):
                                 v=pb.Tensor(shape=shape.kv_shape, dtype=code, data=v), causal=shape.causal)
         assert pb.AttendRequest.FromString(body) == want
         assert exp.shape == shape.q_shape
+
+
+def test_grpc_users_with_big_messages_keep_their_workers(tmp_path):
+    """32 gRPC users in 2 Locust processes sending 32-128 MiB decode messages: every worker keeps
+    heartbeating, so the statistics cover the whole run. Through grpc's gevent mode the calls held
+    each process's gevent loop for seconds and the master dropped every worker within seconds (CPU
+    box: "The last worker went missing, stopping test"; the H200 host's gRPC prefill cells at 256
+    users lost all their users the same way, 2026-11-30)."""
+    with run_server(tmp_path, "--warmup-shapes", "1x1x8x8",
+                    "--request-timeout-ms", "600000") as server:
+        cmd = [sys.executable, "-m", "loadtest.run", "--host", server.url, "--grpc-target", server.grpc_target,
+               "--reports-dir", str(tmp_path), "--tag", "t", "--no-html", "--mix", "decode",
+               "--user-class", "grpc", "--users", "32", "--run-time", "20s", "--processes", "2",
+               "--stop-timeout", "2", "--locust-loglevel", "INFO"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "t_summary.json").read_text())
+    assert "went missing" not in out, out[-3000:]
+    assert summary["result"]["failures"] == 0, out[-3000:]
+    assert summary["result"]["requests"] > 0 and summary["result"]["duration_s"] >= 15, out[-3000:]
