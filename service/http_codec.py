@@ -76,6 +76,10 @@ async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -
     The buffer grows with the bytes that actually arrive (not with what Content-Length claims), so
     a client that declares a large body and sends none of it holds no memory; growing a large
     bytearray is a ``realloc`` the allocator does in place (mremap), as cheap as preallocating.
+    A body the server's protocol read whole (``http_protocol``: 1 MiB or more, with a
+    Content-Length) comes as one piece, handed over as it is; its buffer was sized by the
+    Content-Length, but ordinary memory is only touched as bytes arrive, and pinned buffers are
+    bounded by ``--pinned-body-mb``.
     """
     too_large = PayloadTooLarge(
         f"the request body is over the limit of {limit / 2**20:g} MiB ({flag})"
