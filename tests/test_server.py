@@ -1,4 +1,5 @@
-"""Start-up of the real process: configuration errors stop it before any port is bound."""
+"""The server process: start-up and configuration errors (stopped before any port is bound), its HTTP
+protocol (bodies gathered, bodies read straight into one buffer), keep-alive, the access log."""
 
 from __future__ import annotations
 
