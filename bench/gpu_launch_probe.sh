@@ -16,15 +16,13 @@ probe() {  # $1: label; the rest: VAR=value settings for the server
   env "$@" timeout 120 python3 -m bench.http_latency --small-only --iters "${ITERS:-400}" 2>&1 \
     | grep -E "^\| (kernel|small safetensors)"
 }
-# PROBES picks some (default: all): defaults inline gil5 gil005 omp1 omp1-inline
-for p in ${PROBES:-defaults inline gil5 gil005 omp1 omp1-inline}; do
+# PROBES picks some (default: all): defaults gil5 gil005 omp1
+for p in ${PROBES:-defaults gil5 gil005 omp1}; do
   case $p in
     defaults) probe "defaults" ;;
-    inline) probe "launch on the loop" ATTNSERVE_INLINE_LAUNCH_KIB=1024 ;;
     gil5) probe "GIL switch interval 5 ms (Python's default)" ATTNSERVE_GIL_SWITCH_INTERVAL_MS=5 ;;
     gil005) probe "GIL switch interval 0.05 ms" ATTNSERVE_GIL_SWITCH_INTERVAL_MS=0.05 ;;
     omp1) probe "one OpenMP thread" OMP_NUM_THREADS=1 ;;
-    omp1-inline) probe "one OpenMP thread, launch on the loop" OMP_NUM_THREADS=1 ATTNSERVE_INLINE_LAUNCH_KIB=1024 ;;
     *) echo "unknown probe $p" ;;
   esac
 done

@@ -136,11 +136,11 @@ class ServerTiming:
 
     def engine(self, stamps: Stamps | None) -> None:
         """The engine's time, split by a result's ``stamps``: ``queue`` (validation and the
-        batcher, until a worker takes the launch), ``stage`` (the worker's launcher thread, or the
-        loop with ``--inline-launch-kib``: the inputs copied into pinned memory and their
-        host->device copies enqueued), ``launch`` (the kernel and the device->host copies
-        enqueued), ``device`` (waiting for the device, answers split), ``return`` (back on the
-        event loop, to this handler). They sum to the engine's whole time."""
+        batcher, until a worker takes the launch), ``stage`` (the worker's launcher thread: the
+        inputs copied into pinned memory and their host->device copies enqueued), ``launch`` (the
+        kernel and the device->host copies enqueued), ``device`` (waiting for the device, answers
+        split), ``return`` (back on the event loop, to this handler). They sum to the engine's
+        whole time."""
         if stamps is None:
             self.mark("engine")
             return

@@ -9,6 +9,7 @@ Interface (stable; transports rely on it):
     await engine.drain()            # stop taking work (503), report not-ready, finish what is held
     engine.metrics_registry         # prometheus_client CollectorRegistry for GET /metrics
     engine.devices -> list[str]     # e.g. ["cuda:0", "cuda:1"] or ["cpu"]
+    engine.on_gpu -> bool           # any worker on a CUDA device
     engine.requests_held -> int     # queued or running now
     engine.activity -> int          # moves whenever a request is submitted or finishes
 Raises only ``service.errors.ServiceError`` subclasses.
@@ -221,10 +222,15 @@ class Engine:
         pending = Pending(req, key, tokens=b * n, memory=memory, io_bytes=io_bytes, flops=flops, kind="layer")
         return await self._submit(pending)
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether any worker runs on a CUDA device (known once ``prepare`` has run)."""
+        return any(w.device.type == "cuda" for w in self.workers)
+
     def release_cached_host_memory(self) -> None:
         """Free the pinned host buffers torch keeps cached for the GPU workers' staging (when
         idle: freeing pinned memory waits for the device)."""
-        if any(w.device.type == "cuda" for w in self.workers):
+        if self.on_gpu:
             release_pinned_memory()
 
     def layer_infos(self) -> list:

@@ -150,13 +150,10 @@ async def serve(settings: Settings) -> int:
         log.error("cannot start: %s", exc)
         return 2
     app = create_app(engine, settings)
-    bodies = BodyBuffers(any(w.device.type == "cuda" for w in engine.workers), settings.pinned_body_bytes)
+    bodies = BodyBuffers(engine.on_gpu, settings.pinned_body_bytes)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level.lower(),
-        http=http_protocol(
-            settings.max_body_bytes,
-            bodies,
-        ),
+        http=http_protocol(settings.max_body_bytes, bodies),
         lifespan="on", timeout_graceful_shutdown=30, timeout_keep_alive=settings.http_keep_alive_s,
         access_log=settings.access_log,
     )

@@ -63,13 +63,6 @@ class Settings(BaseSettings):
         description="while every worker is busy, the longest the oldest queued request waits "
         "to gather a batch",
     )
-    inline_launch_kib: int = Field(
-        0, ge=0,
-        description="a GPU worker with nothing in flight stages and launches a batch of at most this "
-        "many KiB of inputs on the event loop itself, not in its launcher thread (a lone small request "
-        "then skips a thread hand-off: the engine alone answers it ~0.15 ms sooner, HTTP calls did not "
-        "gain); 0: always in the thread",
-    )
     max_queue_size: int = Field(1024, gt=0, description="requests held (queued or running) before new ones get 429")
     max_body_mb: float = Field(1024.0, gt=0, description="largest request body (HTTP) or message (gRPC), in MiB")
     pinned_body_mb: float = Field(
@@ -133,7 +126,7 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         False,
         description="log one line per HTTP request (uvicorn's access log); off by default, like Triton "
-        "Inference Server's: a line costs the event loop ~0.03-0.05 ms per call, and /metrics counts "
+        "Inference Server's: a line costs the event loop ~0.04-0.07 ms per call, and /metrics counts "
         "requests by route and status",
     )
 

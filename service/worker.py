@@ -164,7 +164,6 @@ class Worker:
         self._batch_size = metrics.batch_size.labels(self.name)
         self._exec_count = metrics.exec_count.labels(self.name)
         self._cuda = device.type == "cuda"
-        self._inline_bytes = settings.inline_launch_kib * 1024
         self._copy_in_stream = self._compute_stream = self._copy_out_stream = None
         init = (lambda: torch.cuda.set_device(device)) if self._cuda else None
         self._launcher = ThreadPoolExecutor(1, f"attnserve-launch-{self.name}", initializer=init)
@@ -230,12 +229,9 @@ class Worker:
         the finisher itself, so the event loop wakes once per batch, when the answers are ready.
         Called on the loop, synchronously: the launcher starts while the caller goes on.
 
-        With ``--inline-launch-kib`` (off by default) a small launch on an idle GPU worker is staged
-        and enqueued here, on the loop, holding it for ~0.3-0.4 ms: nothing would overlap with it.
-        H200 host, 2026-11-30 (`bench.diag_latency`, one request at a time): the launcher thread
-        took 0.66 ms for a launch the calling thread does in 0.33, and inline the engine answered
-        in 1.26x the direct worker call instead of 2.5x. Through the HTTP server, though, the launch
-        took 0.64-0.67 ms either way and the call's p50 did not fall (2.28 ms inline, 2.15 not).
+        Staging on the event loop instead of the launcher thread was tried (H200 host, 2026-11-30)
+        and dropped: the engine alone answered a lone small request ~0.15 ms sooner, but through
+        HTTP the stage phase took 0.40-0.41 ms either way and the call's p50 did not fall.
         """
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -261,15 +257,14 @@ class Worker:
                 for outcome in outcomes:
                     if not isinstance(outcome, ServiceError):
                         outcome.stamps = stamps
+                answer = (outcomes, None)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                parts.clear()
-                loop.call_soon_threadsafe(settle, None, exc)
-            else:
-                # The executor holds this call's arguments until it returns, and the parts hold the
-                # pinned host buffers of the answers: let them go before the caller is answered, or
-                # an idle release right after the answer finds them still in use (H200, 2026-11-30).
-                parts.clear()
-                loop.call_soon_threadsafe(settle, outcomes)
+                answer = (None, exc)
+            # The executor holds this call's arguments until it returns, and the parts hold the
+            # pinned host buffers of the answers: let them go before the caller is answered, or an
+            # idle release right after the answer finds them still in use (H200, 2026-11-30).
+            parts.clear()
+            loop.call_soon_threadsafe(settle, *answer)
 
         def launch() -> None:
             try:
@@ -282,10 +277,7 @@ class Worker:
                 else:  # the CPU computed in the launcher: nothing is left to wait for
                     finish(parts, time.perf_counter())
 
-        if self._inline_bytes and self._cuda and self.inflight <= 1 and _input_bytes(requests) <= self._inline_bytes:
-            launch()
-        else:
-            self._launcher.submit(launch)
+        self._launcher.submit(launch)
         return answered
 
     def _launch_all(self, requests: list[Request]) -> list[_Part]:
@@ -489,15 +481,6 @@ class Worker:
     def close(self) -> None:
         self._launcher.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
-
-
-def _input_bytes(requests: Sequence[Request]) -> int:
-    """Bytes of the tensors a launch of ``requests`` stages."""
-    total = 0
-    for r in requests:
-        for t in (r.q, r.k, r.v) if isinstance(r, AttentionRequest) else (r.x,):
-            total += t.nbytes
-    return total
 
 
 def _stacked_shape(parts: Sequence[torch.Tensor]) -> tuple[int, ...]:

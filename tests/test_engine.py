@@ -245,41 +245,6 @@ def test_sigterm_drains_requests_in_flight(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_small_launch_on_an_idle_worker_runs_on_the_loop():
-    """--inline-launch-kib: a lone small request is staged and launched on the event loop's thread;
-    a bigger one, or any with the option at 0, goes through the launcher thread. Answers are equal."""
-    from service import worker as worker_mod
-
-    threads: list[str] = []
-    launch_all = worker_mod.Worker._launch_all
-
-    def spy(self, requests):
-        threads.append(threading.current_thread().name)
-        return launch_all(self, requests)
-
-    async def main(inline_kib: int):
-        engine = Engine(load_settings(["--device", "cuda:0", "--warmup-shapes", "1x1x8x64",
-                                       "--inline-launch-kib", str(inline_kib)]))
-        await engine.start()
-        small = qkv(b=1, hq=4, hkv=4, nq=64, nk=64, d=64, dtype=torch.float16, seed=1)  # 96 KiB
-        big = qkv(b=1, hq=8, hkv=8, nq=1024, nk=1024, d=64, dtype=torch.float16, seed=2)  # 3 MiB
-        threads.clear()
-        outs = [await engine.attend(AttentionRequest(*t)) for t in (small, big)]
-        await engine.drain()
-        for (q, k, v), res in zip((small, big), outs, strict=True):
-            assert torch.equal(res.o, kernels.attention(q.cuda(), k.cuda(), v.cuda()).cpu())
-        return list(threads)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(worker_mod.Worker, "_launch_all", spy)
-        main_thread = threading.current_thread().name
-        on = asyncio.run(main(1024))
-        off = asyncio.run(main(0))
-    assert on[0] == main_thread and on[1].startswith("attnserve-launch"), on
-    assert all(name.startswith("attnserve-launch") for name in off), off
-
-
-@pytest.mark.gpu
 def test_gpu_idle_release_frees_the_cached_pinned_staging():
     """After a big request on a GPU, torch keeps its pinned staging buffers cached (they count in
     the RSS); ``release_cached_host_memory`` (the idle trim) hands the unused ones back."""
