@@ -82,6 +82,12 @@ class Metrics:
         self.exec_count = Counter(
             "attnserve_inference_exec", "Launches (batches) run", ["device"], registry=r
         )
+        self.graph_exec = Counter(
+            "attnserve_inference_graph_exec",
+            "Launches that replayed a captured CUDA graph at once on the event loop (--graph-max-kib)",
+            ["device"],
+            registry=r,
+        )
         self.oom_splits = Counter(
             "attnserve_inference_oom_split",
             "Batches split in two after a device out-of-memory",

@@ -72,6 +72,14 @@ class Settings(BaseSettings):
         "sizes, kept for reuse, the free ones let go when idle for --memory-trim-idle-s) hold at most "
         "this many MiB; 0: never",
     )
+    graph_max_kib: float = Field(
+        1024.0, ge=0,
+        description="on GPUs, an attention request whose inputs hold at most this many KiB, arriving while "
+        "the server holds no other request, runs at once on the event loop as a replay of a CUDA graph "
+        "captured for its shape (the first request of a shape captures it, after its own launch): no "
+        "batcher or worker-thread hand-offs, one graph launch instead of a kernel launch's Python; under "
+        "load requests are batched as usual; 0: never",
+    )
     max_json_mb: float = Field(
         64.0,
         gt=0,

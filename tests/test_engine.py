@@ -424,3 +424,85 @@ def test_staging_concat_equals_torch_cat():
     out = _concat(parts, torch.float16, pin=False)
     assert torch.equal(out, torch.cat([p.to(torch.float16) for p in before]))
     assert all(torch.equal(p, b) for p, b in zip(parts, before, strict=True))
+
+
+@pytest.mark.gpu
+def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers():
+    """A small request on an idle GPU server is answered at once by a replay of the CUDA graph
+    captured for its shape (the first of a shape takes the usual path and asks for the capture):
+    the replay's answer is bit for bit the usual path's, and right against float64 for data it
+    was not captured with; the same requests sent together batch as usual and get the same
+    answers; a request over --graph-max-kib never replays."""
+    from kernels.reference import reference_attention
+
+    cases = [  # (B, Hq, Hkv, Nq, Nk, D, dtype, options)
+        (1, 8, 8, 128, 128, 64, torch.float16, {}),
+        (2, 8, 2, 17, 97, 40, torch.bfloat16, {"causal": True, "return_lse": True}),
+        (1, 8, 2, 1, 1025, 128, torch.float16, {"kv_lengths": torch.tensor([1000], dtype=torch.int64)}),
+        (1, 4, 4, 97, 97, 111, torch.float32, {"scale": 0.3, "layout": "bnhd"}),
+        (1, 2, 1, 1, 17, 256, torch.float16, {"causal": True, "return_lse": True}),
+    ]
+
+    def request(case, seed: int) -> AttentionRequest:
+        b, hq, hkv, nq, nk, d, dtype, options = case
+        q, k, v = qkv(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, seed=seed)
+        options = dict(options)
+        if options.get("layout") == "bnhd":  # sent as (B, N, H, D)
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            return AttentionRequest.from_layout(q, k, v, **options)
+        return AttentionRequest(q=q, k=k, v=v, **options)
+
+    def replays(engine) -> float:
+        return engine.metrics_registry.get_sample_value("attnserve_inference_graph_exec_total", {"device": "cuda:0"})
+
+    async def main():
+        engine = Engine(load_settings(["--device", "cuda:0", "--warmup-shapes", "", "--max-queue-delay-ms", "20"]))
+        await engine.start()
+        try:
+            out = []
+            for case in cases:
+                usual = await engine.attend(request(case, 0))  # no graph yet: the usual path, a capture after
+                for _ in range(200):  # until the launcher has captured it
+                    before = replays(engine)
+                    again = await engine.attend(request(case, 0))
+                    if replays(engine) == before + 1:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError(f"no graph replay for {case[:7]}")
+                other = request(case, 1)  # other data, the same graph
+                n = replays(engine)
+                lone = await engine.attend(other)
+                assert replays(engine) == n + 1
+                together = await asyncio.gather(*(engine.attend(request(case, s)) for s in (1, 2, 3, 1)))
+                out.append((case, usual, again, other, lone, together))
+            n = replays(engine)
+            big = AttentionRequest(*qkv(b=1, hq=8, hkv=8, nq=1024, nk=1024, d=64, dtype=torch.float16))
+            for _ in range(3):
+                await engine.attend(big)  # 3 MiB of inputs, over the default 1024 KiB
+                await asyncio.sleep(0.05)
+            big_replays = replays(engine) - n
+            return out, big_replays
+        finally:
+            await engine.drain()
+
+    out, big_replays = asyncio.run(main())
+    assert big_replays == 0
+    for case, usual, again, other, lone, together in out:
+        assert torch.equal(again.o, usual.o), case[:7]
+        if usual.lse is not None:
+            assert torch.equal(again.lse, usual.lse)
+        assert again.o.shape == usual.o.shape == lone.o.shape
+        scale = other.scale if other.scale is not None else other.q.shape[-1] ** -0.5
+        ref, _ = reference_attention(
+            *(t.double() for t in (other.q, other.k, other.v)), causal=other.causal, scale=scale,
+            kv_lengths=other.kv_lengths,
+        )
+        if other.layout == "bnhd":
+            ref = ref.transpose(1, 2)
+        tol = 2e-2 if other.q.dtype == torch.bfloat16 else 5e-3
+        assert (lone.o.double() - ref).abs().max().item() < tol, case[:7]
+        for res in (together[0], together[3]):  # seed 1 twice, batched with seeds 2 and 3
+            assert torch.equal(res.o, lone.o), case[:7]
+            if lone.lse is not None:
+                assert torch.equal(res.lse, lone.lse)
