@@ -20,9 +20,11 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   the H200, four 1x32x8192x128 requests per launch ran the worker at 16-23% of the kernel's rate,
   with no copy of one launch overlapping another's kernel; one per launch, 36-39%;
 - keys are served oldest first, so one key cannot starve another;
-- a request that finds the server holding nothing else may skip the queue: its worker answers it
-  at once on the event loop when it has a CUDA graph for its shape (``Worker.run_now``,
-  ``--graph-max-kib``). Under load something is always held, and requests batch as above.
+- a request that finds the server holding nothing else, ALONE_GAP_S or more after the previous
+  arrival, may skip the queue: its worker answers it at once on the event loop when it has a CUDA
+  graph for its shape (``Worker.run_now``, ``--graph-max-kib``). Requests that come in bursts, or
+  while others are held, batch as above: answered at once one by one, a closed loop of callers
+  would never form a batch.
 
 A batch step resolves exactly one future per request, fans an error out to exactly the requests
 it concerns, and checks the count of answers. The queue is bounded (``max_queue_size`` requests
@@ -55,6 +57,12 @@ from .worker import Worker
 log = logging.getLogger("attnserve.batcher")
 
 STAGED_PER_WORKER = 2  # one launch running + one batch closed and waiting behind it
+
+# A request that arrives this soon after the previous one (or after the end of the previous one's
+# answer at once) may have company (a burst, a closed loop of callers): it is queued and may batch,
+# even on an idle server. Longer gaps (a lone caller's round trip through HTTP, ~0.8 ms on an
+# H200 host) let a worker answer it at once (``_answer_now``).
+ALONE_GAP_S = 2.5e-4
 
 # Idle workers split a batch only when each share holds at least this much estimated device time,
 # reckoned with these rough speeds: (host->device bytes/s, FLOP/s) per device type.
@@ -108,6 +116,7 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._latency_ema = 0.01  # seconds a launch takes, for Retry-After
+        self._last_arrival = float("-inf")  # time.monotonic() of the last submit
         # [deadline, seq, pending]: pending becomes None once answered (dropped lazily, see _forget)
         self._deadlines: list[list] = []
         self._deadline_seq = itertools.count()  # ties: no comparison ever reaches the Pending
@@ -133,8 +142,10 @@ class Batcher:
                 f"{self.settings.max_queue_size}); retry after {retry:.2f}s",
                 retry_after_s=retry,
             )
-        if self._held == 0:  # nothing else queued or running: a worker may answer it at once
+        since, self._last_arrival = self._last_arrival, pending.enqueued
+        if self._held == 0 and pending.enqueued - since >= ALONE_GAP_S:  # a worker may answer it at once
             result = self._answer_now(pending)
+            self._last_arrival = time.monotonic()  # what arrives during the call came in a burst
             if result is not None:
                 return result
         bandwidth, rate = self._speed

@@ -13,12 +13,14 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -385,6 +387,17 @@ LAYER_OPENAPI = _body("LayerJSON", "LayerJSONResult", [{"name": "causal", "in": 
 # ---------------------------------------------------------------- the app
 
 
+class DirectRoute(APIRoute):
+    """A route whose endpoint takes the ``Request`` alone and returns a ``Response``: called as it
+    is, without FastAPI's per-call dependency solving and response handling, which cost a small
+    call ~0.02 ms of the event loop (CPU box, 2026-11-30, in-process: 143 instead of 164 us a
+    call). It is documented, routed and answered on errors like any other route."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        return self.endpoint
+
+
+
 def layer_info_dict(info: Any) -> dict[str, Any]:
     out = {
         k: getattr(info, k, None)
@@ -419,12 +432,6 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
             return await wire.read_body(request, limit), mtype
         return await wire.read_body(request, json_limit, "--max-json-mb"), mtype
 
-    @app.post(
-        "/attention",
-        summary="O = softmax(Q Kᵀ · scale + mask) V",
-        openapi_extra=ATTENTION_OPENAPI,
-        response_class=Response,
-    )
     async def attention(request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
         timing = ServerTiming()
@@ -444,6 +451,16 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         content, media = await wire.encode_answer(tensors, encoding, big)
         timing.mark("encode")
         return wire.respond(content, media, {"Server-Timing": timing.value()})
+
+    app.router.add_api_route(  # the hot path: a DirectRoute
+        "/attention",
+        attention,
+        methods=["POST"],
+        summary="O = softmax(Q Kᵀ · scale + mask) V",
+        openapi_extra=ATTENTION_OPENAPI,
+        response_class=Response,
+        route_class_override=DirectRoute,
+    )
 
     @app.get("/layers", summary="the loaded model layers")
     async def list_layers() -> dict:

@@ -432,13 +432,14 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers():
     captured for its shape (the first of a shape takes the usual path and asks for the capture):
     the replay's answer is bit for bit the usual path's, and right against float64 for data it
     was not captured with; the same requests sent together batch as usual and get the same
-    answers; a request over --graph-max-kib never replays."""
+    answers; a burst of 16 on the idle server batches (at most its first replays); a request
+    over --graph-max-kib never replays."""
     from kernels.reference import reference_attention
 
     cases = [  # (B, Hq, Hkv, Nq, Nk, D, dtype, options)
         (1, 8, 8, 128, 128, 64, torch.float16, {}),
         (2, 8, 2, 17, 97, 40, torch.bfloat16, {"causal": True, "return_lse": True}),
-        (1, 8, 2, 1, 1025, 128, torch.float16, {"kv_lengths": torch.tensor([1000], dtype=torch.int64)}),
+        (1, 8, 1, 1, 1025, 128, torch.float16, {"kv_lengths": torch.tensor([1000], dtype=torch.int64)}),
         (1, 4, 4, 97, 97, 111, torch.float32, {"scale": 0.3, "layout": "bnhd"}),
         (1, 2, 1, 1, 17, 256, torch.float16, {"causal": True, "return_lse": True}),
     ]
@@ -471,11 +472,19 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers():
                 else:
                     raise AssertionError(f"no graph replay for {case[:7]}")
                 other = request(case, 1)  # other data, the same graph
+                await asyncio.sleep(0.002)  # alone: not right behind the previous request
                 n = replays(engine)
                 lone = await engine.attend(other)
                 assert replays(engine) == n + 1
                 together = await asyncio.gather(*(engine.attend(request(case, s)) for s in (1, 2, 3, 1)))
                 out.append((case, usual, again, other, lone, together))
+            # a burst on an idle server batches: at most its first request replays a graph
+            await asyncio.sleep(0.002)
+            n, launches = replays(engine), engine.metrics.exec_count.labels("cuda:0")._value.get()
+            burst = await asyncio.gather(*(engine.attend(request(cases[0], s)) for s in range(16)))
+            burst_replays = replays(engine) - n
+            burst_launches = engine.metrics.exec_count.labels("cuda:0")._value.get() - launches
+            assert len(burst) == 16 and burst_replays <= 1 and burst_launches < 16, (burst_replays, burst_launches)
             n = replays(engine)
             big = AttentionRequest(*qkv(b=1, hq=8, hkv=8, nq=1024, nk=1024, d=64, dtype=torch.float16))
             for _ in range(3):
