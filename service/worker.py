@@ -7,6 +7,9 @@ One launch of a batch (``Worker.submit``):
       -> one kernel launch (``kernels.attention``) or one layer forward
       -> copied back into pinned host memory, split along B: one answer per request.
 
+A request that comes alone to an idle server may instead be answered at once on the event loop
+(``Worker.run_now``): its shape's launch, captured once as a CUDA graph, is replayed.
+
 Faults stay inside the batch: a device out-of-memory splits the batch in halves and retries each
 (one oversized request cannot fail the others; alone it gets 503); any other error is retried
 request by request, so that a bad request fails alone, and becomes a ``ServiceError`` with a safe
@@ -357,8 +360,8 @@ class Worker:
                 log.warning("worker %s: no CUDA graph for %s (%r); such requests take the usual path",
                             self.name, _describe(req), exc)
                 continue
-            if len(self._graphs) >= GRAPHS_PER_WORKER:
-                self._graphs.pop(next(iter(self._graphs)), None)  # the oldest capture
+            if len(self._graphs) >= GRAPHS_PER_WORKER:  # drop the oldest capture (list(): one step
+                self._graphs.pop(list(self._graphs)[0], None)  # under the GIL, the loop may pop too)
             self._graphs[key] = graph
             log.debug("worker %s: captured a CUDA graph for %s in %.1f ms", self.name, _describe(req),
                       1e3 * (time.perf_counter() - t0))

@@ -700,3 +700,59 @@ def test_real_llama_layer_batches(tmp_path):
     for req, res in zip(reqs, results, strict=True):
         want = alone_layer.forward(req.x, causal=True, positions=req.positions, kv_lengths=req.kv_lengths)
         torch.testing.assert_close(res.y, want, rtol=1e-5, atol=1e-5)  # GEMM rounding, as above
+
+
+def test_only_a_request_that_comes_alone_is_answered_at_once(monkeypatch, gate):
+    """The batcher's side of the CUDA-graph path (``Worker.run_now``, here answering with the CPU
+    kernel, as a GPU worker that holds a graph would): a request that comes alone to an idle
+    server is answered at once; in a burst only the first is, and the rest batch; a request that
+    arrives while another is held is queued. Every answer equals its request run alone."""
+    from service.types import AttentionResult
+    from service.worker import Worker
+
+    at_once: list[AttentionRequest] = []
+    attention = kernels.attention  # not the gate installed below: that one holds the worker's launches
+
+    def run_now(self, req):
+        at_once.append(req)
+        o, lse = attention(req.q, req.k, req.v, causal=req.causal, scale=req.scale, return_lse=True,
+                           kernel=req.kernel)
+        return AttentionResult(o=o, lse=lse if req.return_lse else None, request_id=req.request_id)
+
+    monkeypatch.setattr(Worker, "run_now", run_now)
+    shape, options = SHAPES[0], OPTIONS[1]
+
+    async def main():
+        async with started_engine("--max-queue-delay-ms", "20") as engine:
+            await asyncio.sleep(0.01)
+            lone = make_request(shape, options, seed=1)
+            lone_res = await engine.attend(lone)
+            assert at_once == [lone]
+
+            await asyncio.sleep(0.01)
+            launches, _ = batch_sizes(engine)
+            burst = [make_request(shape, options, seed=10 + i) for i in range(16)]
+            burst_res = await asyncio.gather(*(engine.attend(r) for r in burst))
+            assert at_once[1:] in ([], [burst[0]]), "more than the burst's first was answered at once"
+            launched, _ = batch_sizes(engine)
+            assert launched - launches < 16 - (len(at_once) - 1), "the burst did not batch"
+
+            g = gate(hold=True)  # a launch held on the worker: the server holds a request
+            await asyncio.sleep(0.01)
+            first = asyncio.ensure_future(engine.attend(make_request(shape, options, seed=40)))  # at once
+            second = asyncio.ensure_future(engine.attend(make_request(shape, options, seed=41)))  # queued
+            await g.wait_entered()
+            await asyncio.sleep(0.01)  # a gap: alone in time, but not on an idle server
+            n = len(at_once)
+            third = asyncio.ensure_future(engine.attend(make_request(shape, options, seed=42)))
+            await asyncio.sleep(0.01)
+            assert len(at_once) == n and not third.done()
+            g.opened.set()
+            held_res = await asyncio.gather(first, second, third)
+            return [(lone, lone_res), *zip(burst, burst_res, strict=True)], held_res
+
+    pairs, held_res = asyncio.run(main())
+    assert len(held_res) == 3
+    for req, res in pairs:
+        o, lse = alone(req)
+        assert torch.equal(res.o, o) and torch.equal(res.lse, lse)
