@@ -427,14 +427,18 @@ def test_staging_concat_equals_torch_cat():
 
 
 @pytest.mark.gpu
-def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers():
+def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers(monkeypatch):
     """A small request on an idle GPU server is answered at once by a replay of the CUDA graph
     captured for its shape (the first of a shape takes the usual path and asks for the capture):
     the replay's answer is bit for bit the usual path's, and right against float64 for data it
     was not captured with; the same requests sent together batch as usual and get the same
-    answers; a burst of 16 on the idle server batches (at most its first replays); a request
-    over --graph-max-kib never replays."""
+    answers; a burst of 16 on the idle server batches (at most its first replays); with room
+    for 3 graphs, the older shapes' graphs are dropped for the later ones; a request over
+    --graph-max-kib never replays."""
     from kernels.reference import reference_attention
+    from service import worker
+
+    monkeypatch.setattr(worker, "GRAPHS_PER_WORKER", 3)
 
     cases = [  # (B, Hq, Hkv, Nq, Nk, D, dtype, options)
         (1, 8, 8, 128, 128, 64, torch.float16, {}),
@@ -485,6 +489,10 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers():
             burst_replays = replays(engine) - n
             burst_launches = engine.metrics.exec_count.labels("cuda:0")._value.get() - launches
             assert len(burst) == 16 and burst_replays <= 1 and burst_launches < 16, (burst_replays, burst_launches)
+            await asyncio.sleep(0.002)
+            n = replays(engine)
+            await engine.attend(request(cases[1], 0))  # its graph made room for later shapes
+            assert replays(engine) == n, "a dropped graph replayed"
             n = replays(engine)
             big = AttentionRequest(*qkv(b=1, hq=8, hkv=8, nq=1024, nk=1024, d=64, dtype=torch.float16))
             for _ in range(3):
