@@ -397,7 +397,6 @@ class DirectRoute(APIRoute):
         return self.endpoint
 
 
-
 def layer_info_dict(info: Any) -> dict[str, Any]:
     out = {
         k: getattr(info, k, None)

@@ -74,11 +74,11 @@ class Settings(BaseSettings):
     )
     graph_max_kib: float = Field(
         1024.0, ge=0,
-        description="on GPUs, an attention request whose inputs hold at most this many KiB, arriving while "
-        "the server holds no other request, runs at once on the event loop as a replay of a CUDA graph "
-        "captured for its shape (the first request of a shape captures it, after its own launch): no "
-        "batcher or worker-thread hand-offs, one graph launch instead of a kernel launch's Python; under "
-        "load requests are batched as usual; 0: never",
+        description="on GPUs, an attention request whose inputs hold at most this many KiB and that comes "
+        "alone (the server holds no other request, and none came in the last 0.25 ms) runs at once on the "
+        "event loop as a replay of a CUDA graph captured for its shape (the first request of a shape has "
+        "it captured, after its own launch): no batcher or worker-thread hand-offs, no kernel launch in "
+        "Python; requests in bursts batch as usual; 0: never",
     )
     max_json_mb: float = Field(
         64.0,
