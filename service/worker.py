@@ -467,7 +467,7 @@ class Worker:
                         out[i] = _concat(*g, pin=True).to(self.device, non_blocking=True)
                 else:
                     shared.append((i, shared_bytes, g))
-                    shared_bytes += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+                    shared_bytes += _aligned(nbytes)
             if shared:
                 host = torch.empty(shared_bytes, dtype=torch.uint8, pin_memory=True)
                 views = [(i, off, _fill_bytes(host, off, *g)) for i, off, g in shared]
@@ -575,6 +575,11 @@ def _stacked_shape(parts: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to STAGING_ALIGN: the room one input takes in a shared staging buffer."""
+    return -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+
+
 def _stacked_nbytes(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> int:
     return math.prod(_stacked_shape(parts)) * dtype.itemsize
 
@@ -637,7 +642,7 @@ def _graph_inputs(req: AttentionRequest) -> list[tuple[torch.Tensor, torch.dtype
 
 
 def _graph_input_nbytes(req: AttentionRequest) -> int:
-    return sum(t.numel() * dtype.itemsize for t, dtype in _graph_inputs(req))
+    return sum(_stacked_nbytes([t], dtype) for t, dtype in _graph_inputs(req))
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -670,7 +675,7 @@ class _Graph:
         offsets, total = [], 0
         for t, dtype in inputs:
             offsets.append(total)
-            total += -(-t.numel() * dtype.itemsize // STAGING_ALIGN) * STAGING_ALIGN
+            total += _aligned(_stacked_nbytes([t], dtype))
         host_in = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         dev_in = torch.empty(total, dtype=torch.uint8, device=device)
         host_views, dev = [], []  # typed views of host_in and of dev_in, one per input
