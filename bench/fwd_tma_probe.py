@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe              # the shipped kernel on the anchors
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --variants   # the first probe, below
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --decode     # split counts x configs for decode
+    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --host       # host us of each piece of a launch
 
 --variants prints, per shape, TFLOP/s of the production kernel, of SDPA's cuDNN and FlashAttention-2 backends,
 and of each probe variant × config, every one timed by replaying a CUDA graph (kernel time only,
@@ -196,14 +197,28 @@ def ws_row(dt, b, h, n, d) -> str:
 
 # ---- --decode: split counts x split-kernel configs (bf16, Nq 1, Hq 32 / Hkv 8, D 128)
 
-DECODE = [(1, 8192), (1, 32768), (16, 8192)]
-SPLIT_CONFIGS = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 256, 4, 2), (16, 128, 4, 4), (32, 64, 4, 3),
-                 (16, 64, 2, 4), (16, 128, 8, 3)]
+DECODE = [(1, 8192), (1, 32768), (1, 65536), (16, 8192), (16, 32768), (16, 65536)]
+SPLIT_CONFIGS = [(16, 128, 4, 2), (16, 64, 4, 3)]
+SPLIT_COUNTS = (8, 16, 32)
+
+
+def _host_us(fn, n=200) -> float:
+    """Host time per call (no sync inside the loop): what a launch costs the CPU."""
+    import time
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def decode_rows(b, nk) -> list[str]:
-    """GB/s of K and V read once: the shipped plan (normal and graph-replayed), SDPA, then every
-    split count x config. ``do_bench`` clears L2 before each call."""
+    """GB/s of K and V read once: the shipped plan (normal and graph-replayed, host us per call),
+    SDPA the same way, then every split count x config ("g": graph-replayed). ``do_bench`` clears
+    L2 before each call."""
     import os
 
     from kernels import _flash_fwd_kernels as kern
@@ -216,35 +231,68 @@ def decode_rows(b, nk) -> list[str]:
     def ours(splits=None):
         return flash_forward(q, k, v, causal=False, scale=d ** -0.5, num_splits=splits)[0]
 
-    ref = ours()
+    ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, gqa=True)
     plan = flash.plan(b, hq, hkv, 1, nk, q.device)
-    line = [f"plan {plan}: {mb / bench_ms(ours):.0f} (graph {mb / graph_ms(ours):.0f})"]
-    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+    line = []
+    for name, fn in (("ours", ours),
+                     ("cudnn", lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, gqa=True)),
+                     ("fa2", lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, gqa=True))):
         try:
-            line.append(f"{name} {mb / bench_ms(lambda be=be: _sdpa(be, q, k, v, gqa=True)):.0f}")
+            line.append(f"{name} {mb / bench_ms(fn):.0f} (graph {mb / graph_ms(fn):.0f}, host {_host_us(fn):.0f} us)")
         except Exception as exc:  # noqa: BLE001
             line.append(f"{name} fail:{type(exc).__name__}")
-    rows = [f"decode B={b} Nk={nk} ({mb:.1f} MB):  " + "; ".join(line)]
-    saved = kern._SPLIT[:]
-    os.environ["ATTNSERVE_AUTOTUNE"] = "0"  # the first (only) config of kern._SPLIT
+    rows = [f"decode B={b} Nk={nk} ({mb:.1f} MB) plan {plan}: " + "; ".join(line)]
+    saved = kern._SPLIT_16BIT[:]
+    os.environ["ATTNSERVE_AUTOTUNE"] = "0"  # the first (only) config of the list
     try:
-        for splits in (4, 8, 16, 32, 64):
+        for splits in SPLIT_COUNTS:
             res = []
             for bm, bn, w, st in SPLIT_CONFIGS:
-                kern._SPLIT[:] = [kern._cfg(bm, bn, w, st)]
+                kern._SPLIT_16BIT[:] = [kern._cfg(bm, bn, w, st)]
                 flash._compiled.clear()  # else the cached launch keeps the previous config
                 try:
-                    err = (ours(splits).float() - ref.float()).abs().max().item()
-                    t = bench_ms(lambda s=splits: ours(s))
-                    res.append(f"{bm}/{bn}/w{w}/s{st} {mb / t:.0f}" + ("" if err < 1e-2 else f" WRONG{err:.1g}"))
+                    fn = lambda s=splits: ours(s)  # noqa: E731
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    res.append(f"{bn}/w{w}/s{st} {mb / bench_ms(fn):.0f} g{mb / graph_ms(fn):.0f}"
+                               + ("" if err < 1e-2 else f" WRONG{err:.1g}"))
                 except Exception as exc:  # noqa: BLE001
-                    res.append(f"{bm}/{bn}/w{w}/s{st} fail:{type(exc).__name__}")
+                    res.append(f"{bn}/w{w}/s{st} fail:{type(exc).__name__}")
             rows.append(f"   splits {splits}: " + ", ".join(res))
     finally:
-        kern._SPLIT[:] = saved
+        kern._SPLIT_16BIT[:] = saved
         flash._compiled.clear()
         os.environ["ATTNSERVE_AUTOTUNE"] = "1"
     return rows
+
+
+def host_rows() -> list[str]:
+    """Host us per call of each piece of a B=1, Nk=8192 decode launch (min over 5 runs of 400)."""
+    from kernels import flash
+
+    q, k, v = _qkv(1, 32, 8, 1, 8192, 128, torch.bfloat16)
+    seen = {}
+    real = flash.launch
+
+    def spy(tuned, grid, args, meta, first, **kw):
+        seen.update(tuned=tuned, grid=grid, args=args, meta=meta)
+        return real(tuned, grid, args, meta, first, **kw)
+
+    flash.launch = spy
+    flash_forward(q, k, v, causal=False, scale=0.1)
+    flash.launch = real
+    compiled, cfg, tail = flash._compiled[flash._signature(seen["tuned"], seen["args"], seen["meta"], q.device)]
+    g = flash._grid3(seen["grid"](cfg))
+    a = seen["args"]
+    pieces = {
+        "flash_forward": lambda: flash_forward(q, k, v, causal=False, scale=0.1),
+        "launch() (hit)": lambda: flash.launch(seen["tuned"], seen["grid"], a, seen["meta"], q),
+        "_signature": lambda: flash._signature(seen["tuned"], a, seen["meta"], q.device),
+        "compiled[grid](*args)": lambda: compiled[g](*a, *tail),
+        "torch.empty (cuda)": lambda: torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="cuda"),
+        "sdpa fa2": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, gqa=True),
+        "sdpa cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, gqa=True),
+    }
+    return [f"host {name}: {min(_host_us(fn, 400) for _ in range(5)):.1f} us" for name, fn in pieces.items()]
 
 
 # ---- --variants: the bare probe kernel (host / device descriptors, warp-specialised or not)
@@ -281,6 +329,8 @@ def variant_rows(dt, b, h, n, d) -> list[str]:
 
 def main() -> None:
     triton.set_allocator(_alloc)  # the bare probe's device-side descriptors
+    if "--host" in sys.argv:
+        print("\n".join(host_rows()), flush=True)
     if "--decode" in sys.argv:
         for b, nk in DECODE:
             print("\n".join(decode_rows(b, nk)), flush=True)

@@ -263,6 +263,52 @@ def attn_fwd_tma(
 
 
 @triton.jit
+def _merge_rows(
+    O_PART,                      # (S, R, D) fp32: each split's normalised output, contiguous
+    LSE_PART,                    # (S, R) fp32: each split's natural-log lse (-inf: saw no key)
+    O,                           # out: o (B, Hq, Nq, D), any strides
+    LSE,                         # out: lse (B, Hq, Nq) contiguous fp32
+    stride_ob, stride_oh, stride_on, stride_od,
+    r, r_ok,                     # (RB,) rows of the (B·Hq·Nq) to merge, and which of them exist
+    R, N_SPLITS, H_Q, N_Q,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,       # N_SPLITS padded to a power of two
+    RB: tl.constexpr,            # rows merged together
+):
+    """Flash-decoding's reduction of RB rows: lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s.
+    All splits of all RB rows are loaded at once where the tile fits."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    r64 = r.to(tl.int64)
+    s_ok = offs_s < N_SPLITS
+    lse_s = tl.load(LSE_PART + offs_s[:, None].to(tl.int64) * R + r64[None, :],
+                    mask=s_ok[:, None] & r_ok[None, :], other=float("-inf"))
+    m = tl.max(lse_s, 0)                                     # (RB,)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp(lse_s - m_use[None, :]), 0)        # 0 for splits that saw no key
+    # (CHUNK, RB, BLOCK_D) tiles of at most 8192 values: 64 registers a thread at 4 warps
+    CHUNK: tl.constexpr = min(BLOCK_S, max(1, 8192 // (RB * BLOCK_D)))
+    acc = tl.zeros([RB, BLOCK_D], dtype=tl.float32)
+    for s0 in tl.static_range(0, BLOCK_S, CHUNK):
+        offs_c = s0 + tl.arange(0, CHUNK)
+        c_ok = (offs_c < N_SPLITS)[:, None] & r_ok[None, :]
+        w_c = tl.exp(tl.load(LSE_PART + offs_c[:, None].to(tl.int64) * R + r64[None, :], mask=c_ok,
+                             other=float("-inf")) - m_use[None, :])
+        o_c = tl.load(O_PART + (offs_c[:, None, None].to(tl.int64) * R + r64[None, :, None]) * D
+                      + offs_d[None, None, :],
+                      mask=c_ok[:, :, None] & (offs_d[None, None, :] < D), other=0.0)
+        acc += tl.sum(w_c[:, :, None] * o_c, 0)
+    seen = w_sum > 0.0
+    w_safe = tl.where(seen, w_sum, 1.0)
+    b = r64 // (H_Q * N_Q)
+    h = (r64 // N_Q) % H_Q
+    n = r64 % N_Q
+    tl.store(O + (b * stride_ob + h * stride_oh + n * stride_on)[:, None] + offs_d[None, :] * stride_od,
+             (acc / w_safe[:, None]).to(O.dtype.element_ty), mask=r_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE + r64, tl.where(seen, m_use + tl.log(w_safe), float("-inf")), mask=r_ok)
+
+
+@triton.jit
 def attn_combine(
     O_PART,                      # (S, R, D) fp32: each split's normalised output, R = B·Hq·Nq rows
     LSE_PART,                    # (S, R) fp32: each split's natural-log lse (-inf: saw no key)
@@ -270,33 +316,14 @@ def attn_combine(
     LSE,                         # out: lse (B, Hq, Nq) contiguous fp32
     stride_ob, stride_oh, stride_on, stride_od,
     N_SPLITS, R, H_Q, N_Q,
-    ROWS,                        # rows per program
     D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,       # N_SPLITS padded to a power of two: all splits of a row in one load
+    BLOCK_S: tl.constexpr,       # N_SPLITS padded to a power of two
+    RB: tl.constexpr,            # rows per program
 ):
-    """Flash-decoding's reduction: lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < N_SPLITS
-    r0 = tl.program_id(0) * ROWS
-    for r in range(r0, tl.minimum(r0 + ROWS, R)):
-        lse_s = tl.load(LSE_PART + offs_s * R + r, mask=s_ok, other=float("-inf"))
-        o_s = tl.load(O_PART + (offs_s[:, None] * R + r) * D + offs_d[None, :],
-                      mask=s_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        m = tl.max(lse_s, 0)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(lse_s - m_use)            # 0 for splits that saw no key
-        w_sum = tl.sum(w, 0)
-        seen = w_sum > 0.0
-        w_safe = tl.where(seen, w_sum, 1.0)
-        o = tl.sum(w[:, None] * o_s, 0) / w_safe
-        lse = tl.where(seen, m_use + tl.log(w_safe), float("-inf"))
-        b = r // (H_Q * N_Q)
-        h = (r // N_Q) % H_Q
-        n = r % N_Q
-        tl.store(O + b * stride_ob + h * stride_oh + n * stride_on + offs_d * stride_od,
-                 o.to(O.dtype.element_ty), mask=offs_d < D)
-        tl.store(LSE + r, lse)
+    """The merge after a split-KV launch: ``_merge_rows`` over RB rows per program."""
+    r = tl.program_id(0) * RB + tl.arange(0, RB)
+    _merge_rows(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride_on, stride_od, r, r < R,
+                R, N_SPLITS, H_Q, N_Q, D, BLOCK_D, BLOCK_S, RB)
 
 
 # ---- autotuning: a handful of configs per head-dim class, keyed on what changes the best one ----
@@ -315,7 +342,14 @@ _PREFILL = {
     256: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
 }
 _PREFILL_FP32 = [_cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(32, 64, 4, 2)]
-_SPLIT = [_cfg(16, 128, 4, 3), _cfg(16, 64, 4, 4), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3)]
+# Split-KV (decode) at D <= 128, 16-bit: one config, not tuned. Measured on the H200 (bf16, Hq 32 /
+# Hkv 8, D 128, CUDA-graph replay, 2026-11-30): 16/64/w4/s3 was best or within 2% of the best of
+# {16/64, 16/128} x {w4} x {s2, s3, s4} at B 1 and 16, Nk 8k-64k. Tuning it per key did harm: the key
+# cannot hold B (see plan()), so it was tuned at whatever B came first, often B = 1, where every
+# config times alike within the host's noise (B = 16, Nk = 8k ran at 3,290 GB/s on such a pick).
+_SPLIT_16BIT = [_cfg(16, 64, 4, 3)]
+_SPLIT_D256 = [_cfg(16, 64, 4, 4), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3)]
+_SPLIT = _SPLIT_16BIT + _SPLIT_D256
 _SPLIT_FP32 = [_cfg(16, 64, 4, 2), _cfg(32, 32, 4, 2)]
 
 
@@ -330,10 +364,9 @@ def _prune_prefill(configs, nargs, **kw):
 
 
 def _prune_split(configs, nargs, **kw):
-    cfgs = _SPLIT_FP32 if nargs["Q"].dtype.itemsize == 4 else _SPLIT
-    if kw["BLOCK_D"] > 128:
-        cfgs = [c for c in cfgs if c.kwargs["BLOCK_N"] <= 64]
-    return cfgs
+    if nargs["Q"].dtype.itemsize == 4:
+        return _SPLIT_FP32
+    return _SPLIT_16BIT if kw["BLOCK_D"] <= 128 else _SPLIT_D256
 
 
 _KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "PACK", "N_Q_BUCKET", "N_K_BUCKET"]
