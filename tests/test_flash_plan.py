@@ -36,6 +36,28 @@ def test_decode_splits_the_keys():
     assert splits > 1
 
 
+@pytest.mark.parametrize("hq, hkv, n_k", [(32, 8, 8192), (32, 8, 65536), (8, 8, 4096), (4, 4, 4096)])
+def test_decode_splits_fill_one_wave_per_batch_element(hq, hkv, n_k):
+    """The fewest splits whose programs cover every SM once: on the H200 one wave beat two at
+    B = 1 and at B = 16 (docs/benchmarks/kernels.md, ninth session)."""
+    cpu = torch.device("cpu")
+    pack, splits, kps = flash.plan(1, hq, hkv, 1, n_k, cpu)
+    programs = hq // pack  # one row block each: pack·Nq <= 16 rows
+    sms = flash._num_sms(cpu)
+    assert sms <= programs * splits < sms + programs
+    assert splits * kps >= n_k > (splits - 1) * kps
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_d", [64, 128])
+def test_the_16bit_split_kernel_has_one_config(dtype, block_d):
+    """Tuning could not see B (the plan may not depend on it), so a tuned decode config came from
+    whatever batch size was tuned first, and at B = 1 every config times alike within the host's
+    noise: one measured config instead, the same in every process."""
+    q = torch.empty(1, 1, 1, block_d, dtype=dtype)
+    assert len(flash.kern._prune_split(None, {"Q": q}, BLOCK_D=block_d)) == 1
+
+
 @pytest.mark.gpu
 def test_batched_decode_equals_lone_requests_bit_for_bit():
     import kernels
