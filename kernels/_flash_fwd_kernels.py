@@ -286,7 +286,8 @@ def _merge_rows(
     m = tl.max(lse_s, 0)                                     # (RB,)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.sum(tl.exp(lse_s - m_use[None, :]), 0)        # 0 for splits that saw no key
-    # (CHUNK, RB, BLOCK_D) tiles of at most 8192 values: 64 registers a thread at 4 warps
+    # (CHUNK, RB, BLOCK_D) tiles of at most 8192 values where RB·BLOCK_D allows: 64 registers a
+    # thread at 4 warps
     CHUNK: tl.constexpr = min(BLOCK_S, max(1, 8192 // (RB * BLOCK_D)))
     acc = tl.zeros([RB, BLOCK_D], dtype=tl.float32)
     for s0 in tl.static_range(0, BLOCK_S, CHUNK):
@@ -343,8 +344,9 @@ _PREFILL = {
 }
 _PREFILL_FP32 = [_cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(32, 64, 4, 2)]
 # Split-KV (decode) at D <= 128, 16-bit: one config, not tuned. Measured on the H200 (bf16, Hq 32 /
-# Hkv 8, D 128, CUDA-graph replay, 2026-11-30): 16/64/w4/s3 was best or within 2% of the best of
-# {16/64, 16/128} x {w4} x {s2, s3, s4} at B 1 and 16, Nk 8k-64k. Tuning it per key did harm: the key
+# Hkv 8, D 128, CUDA-graph replay, 2026-11-30): 16/64/w4/s3 was the best, or within 2% of it, of the
+# configs tried (BLOCK_N 64/128/256, 2 or 4 warps, 2-4 stages) at B 1 and 16, Nk 8k-64k, 16 splits
+# (docs/benchmarks/kernels.md, ninth session). Tuning it per key did harm: the key
 # cannot hold B (see plan()), so it was tuned at whatever B came first, often B = 1, where every
 # config times alike within the host's noise (B = 16, Nk = 8k ran at 3,290 GB/s on such a pick).
 _SPLIT_16BIT = [_cfg(16, 64, 4, 3)]

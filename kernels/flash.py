@@ -81,15 +81,17 @@ def _signature(tuned, args: tuple, meta: dict, device: torch.device) -> tuple:
     tensor's dtype and 16-byte alignment and on each integer's value class; our integer args also
     carry the autotuning key (head dim, length buckets). Floats are never specialised.
 
-    On every launch's path: ``type() is`` instead of ``isinstance`` (a tensor isinstance check
-    goes through torch's metaclass), ~4x faster over the ~60 args of a forward."""
+    On every launch's path: ``type() is`` first, ``isinstance`` only for what it misses (a tensor
+    isinstance check goes through torch's metaclass): ~2.5x faster over the ~50 args of a forward."""
     sig = [id(tuned), device.index]  # tuned: an Autotuner, or a plain JITFunction
     for a in args:
         t = type(a)
         if t is int or t is bool:
             sig.append(a)
-        elif t is not float:  # a tensor (or a subclass of one)
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
             sig.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):  # e.g. a numpy integer
+            sig.append(int(a))
     sig.extend(meta.values())
     return tuple(sig)
 
