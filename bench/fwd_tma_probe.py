@@ -4,6 +4,7 @@
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --variants   # the first probe, below
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --decode     # split counts x configs for decode
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --host       # host us of each piece of a launch
+    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --configs    # the shipped decode plan x more configs
 
 --variants prints, per shape, TFLOP/s of the production kernel, of SDPA's cuDNN and FlashAttention-2 backends,
 and of each probe variant × config, every one timed by replaying a CUDA graph (kernel time only,
@@ -265,6 +266,44 @@ def decode_rows(b, nk) -> list[str]:
     return rows
 
 
+MORE_CONFIGS = [(16, 64, 4, 3), (16, 32, 4, 4), (16, 32, 4, 6), (16, 64, 2, 3), (16, 64, 8, 3),
+                (16, 64, 4, 2), (16, 128, 8, 2), (16, 64, 4, 4)]
+
+
+def config_rows() -> list[str]:
+    """The shipped split plan with each of MORE_CONFIGS: do_bench and graph GB/s."""
+    import os
+
+    from kernels import _flash_fwd_kernels as kern
+    from kernels import flash
+
+    rows = []
+    saved = kern._SPLIT_16BIT[:]
+    os.environ["ATTNSERVE_AUTOTUNE"] = "0"
+    try:
+        for b, nk in [(1, 8192), (16, 8192), (16, 65536)]:
+            q, k, v = _qkv(b, 32, 8, 1, nk, 128, torch.bfloat16)
+            mb = 2 * k.numel() * k.element_size() / 1e6
+            ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, gqa=True)
+            fn = lambda q=q, k=k, v=v: flash_forward(q, k, v, causal=False, scale=128 ** -0.5)[0]  # noqa: E731
+            res = []
+            for bm, bn, w, st in MORE_CONFIGS:
+                kern._SPLIT_16BIT[:] = [kern._cfg(bm, bn, w, st)]
+                flash._compiled.clear()
+                try:
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    res.append(f"{bn}/w{w}/s{st} {mb / bench_ms(fn):.0f} g{mb / graph_ms(fn):.0f}"
+                               + ("" if err < 1e-2 else f" WRONG{err:.1g}"))
+                except Exception as exc:  # noqa: BLE001
+                    res.append(f"{bn}/w{w}/s{st} fail:{type(exc).__name__}")
+            rows.append(f"configs B={b} Nk={nk}: " + ", ".join(res))
+    finally:
+        kern._SPLIT_16BIT[:] = saved
+        flash._compiled.clear()
+        os.environ["ATTNSERVE_AUTOTUNE"] = "1"
+    return rows
+
+
 def host_rows() -> list[str]:
     """Host us per call of each piece of a B=1, Nk=8192 decode launch (min over 5 runs of 400)."""
     from kernels import flash
@@ -329,6 +368,8 @@ def variant_rows(dt, b, h, n, d) -> list[str]:
 
 def main() -> None:
     triton.set_allocator(_alloc)  # the bare probe's device-side descriptors
+    if "--configs" in sys.argv:
+        print("\n".join(config_rows()), flush=True)
     if "--host" in sys.argv:
         print("\n".join(host_rows()), flush=True)
     if "--decode" in sys.argv:
