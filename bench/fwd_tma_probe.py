@@ -368,20 +368,17 @@ def variant_rows(dt, b, h, n, d) -> list[str]:
 
 def main() -> None:
     triton.set_allocator(_alloc)  # the bare probe's device-side descriptors
-    if "--configs" in sys.argv:
-        print("\n".join(config_rows()), flush=True)
-    if "--host" in sys.argv:
-        print("\n".join(host_rows()), flush=True)
-    if "--decode" in sys.argv:
-        for b, nk in DECODE:
-            print("\n".join(decode_rows(b, nk)), flush=True)
-    elif "--ws" in sys.argv:
-        for row in WS_ROWS:
-            print(ws_row(*row), flush=True)
-    elif "--variants" in sys.argv:
-        for row in VARIANT_ROWS:
-            print("\n".join(variant_rows(*row)), flush=True)
-    else:
+    modes = {
+        "--configs": lambda: config_rows(),
+        "--host": lambda: host_rows(),
+        "--decode": lambda: [r for b, nk in DECODE for r in decode_rows(b, nk)],
+        "--ws": lambda: [ws_row(*row) for row in WS_ROWS],
+        "--variants": lambda: [r for row in VARIANT_ROWS for r in variant_rows(*row)],
+    }
+    asked = [m for m in modes if m in sys.argv]
+    for m in asked:
+        print("\n".join(modes[m]()), flush=True)
+    if not asked:
         anchors()
 
 
