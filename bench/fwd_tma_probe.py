@@ -15,6 +15,7 @@ and of each probe variant × config, every one timed by replaying a CUDA graph (
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -216,13 +217,45 @@ def _host_us(fn, n=200) -> float:
     return (t1 - t0) / n * 1e6
 
 
-def decode_rows(b, nk) -> list[str]:
-    """GB/s of K and V read once: the shipped plan (normal and graph-replayed, host us per call),
-    SDPA the same way, then every split count x config ("g": graph-replayed). ``do_bench`` clears
-    L2 before each call."""
+@contextlib.contextmanager
+def _split_configs():
+    """Within: the 16-bit split kernel runs whichever single config ``_config_cells`` sets, untuned."""
     import os
 
     from kernels import _flash_fwd_kernels as kern
+    from kernels import flash
+
+    saved = kern._SPLIT_16BIT[:]
+    os.environ["ATTNSERVE_AUTOTUNE"] = "0"  # the first (only) config of the list
+    try:
+        yield
+    finally:
+        kern._SPLIT_16BIT[:] = saved
+        flash._compiled.clear()
+        os.environ["ATTNSERVE_AUTOTUNE"] = "1"
+
+
+def _config_cells(fn, ref, mb, configs) -> list[str]:
+    """fn() with each split config in turn: do_bench and graph ("g") GB/s, flagged when wrong."""
+    from kernels import _flash_fwd_kernels as kern
+    from kernels import flash
+
+    cells = []
+    for bm, bn, w, st in configs:
+        kern._SPLIT_16BIT[:] = [kern._cfg(bm, bn, w, st)]
+        flash._compiled.clear()  # else the cached launch keeps the previous config
+        try:
+            err = (fn().float() - ref.float()).abs().max().item()
+            cells.append(f"{bn}/w{w}/s{st} {mb / bench_ms(fn):.0f} g{mb / graph_ms(fn):.0f}"
+                         + ("" if err < 1e-2 else f" WRONG{err:.1g}"))
+        except Exception as exc:  # noqa: BLE001
+            cells.append(f"{bn}/w{w}/s{st} fail:{type(exc).__name__}")
+    return cells
+
+
+def decode_rows(b, nk) -> list[str]:
+    """GB/s of K and V read once: the shipped plan (normal and graph-replayed, host us per call),
+    SDPA the same way, then every split count x config. ``do_bench`` clears L2 before each call."""
     from kernels import flash
 
     hq, hkv, d = 32, 8, 128
@@ -243,26 +276,10 @@ def decode_rows(b, nk) -> list[str]:
         except Exception as exc:  # noqa: BLE001
             line.append(f"{name} fail:{type(exc).__name__}")
     rows = [f"decode B={b} Nk={nk} ({mb:.1f} MB) plan {plan}: " + "; ".join(line)]
-    saved = kern._SPLIT_16BIT[:]
-    os.environ["ATTNSERVE_AUTOTUNE"] = "0"  # the first (only) config of the list
-    try:
+    with _split_configs():
         for splits in SPLIT_COUNTS:
-            res = []
-            for bm, bn, w, st in SPLIT_CONFIGS:
-                kern._SPLIT_16BIT[:] = [kern._cfg(bm, bn, w, st)]
-                flash._compiled.clear()  # else the cached launch keeps the previous config
-                try:
-                    fn = lambda s=splits: ours(s)  # noqa: E731
-                    err = (fn().float() - ref.float()).abs().max().item()
-                    res.append(f"{bn}/w{w}/s{st} {mb / bench_ms(fn):.0f} g{mb / graph_ms(fn):.0f}"
-                               + ("" if err < 1e-2 else f" WRONG{err:.1g}"))
-                except Exception as exc:  # noqa: BLE001
-                    res.append(f"{bn}/w{w}/s{st} fail:{type(exc).__name__}")
-            rows.append(f"   splits {splits}: " + ", ".join(res))
-    finally:
-        kern._SPLIT_16BIT[:] = saved
-        flash._compiled.clear()
-        os.environ["ATTNSERVE_AUTOTUNE"] = "1"
+            cells = _config_cells(lambda s=splits: ours(s), ref, mb, SPLIT_CONFIGS)
+            rows.append(f"   splits {splits}: " + ", ".join(cells))
     return rows
 
 
@@ -271,36 +288,15 @@ MORE_CONFIGS = [(16, 64, 4, 3), (16, 32, 4, 4), (16, 32, 4, 6), (16, 64, 2, 3), 
 
 
 def config_rows() -> list[str]:
-    """The shipped split plan with each of MORE_CONFIGS: do_bench and graph GB/s."""
-    import os
-
-    from kernels import _flash_fwd_kernels as kern
-    from kernels import flash
-
+    """The shipped split plan with each of MORE_CONFIGS."""
     rows = []
-    saved = kern._SPLIT_16BIT[:]
-    os.environ["ATTNSERVE_AUTOTUNE"] = "0"
-    try:
+    with _split_configs():
         for b, nk in [(1, 8192), (16, 8192), (16, 65536)]:
             q, k, v = _qkv(b, 32, 8, 1, nk, 128, torch.bfloat16)
             mb = 2 * k.numel() * k.element_size() / 1e6
             ref = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, gqa=True)
             fn = lambda q=q, k=k, v=v: flash_forward(q, k, v, causal=False, scale=128 ** -0.5)[0]  # noqa: E731
-            res = []
-            for bm, bn, w, st in MORE_CONFIGS:
-                kern._SPLIT_16BIT[:] = [kern._cfg(bm, bn, w, st)]
-                flash._compiled.clear()
-                try:
-                    err = (fn().float() - ref.float()).abs().max().item()
-                    res.append(f"{bn}/w{w}/s{st} {mb / bench_ms(fn):.0f} g{mb / graph_ms(fn):.0f}"
-                               + ("" if err < 1e-2 else f" WRONG{err:.1g}"))
-                except Exception as exc:  # noqa: BLE001
-                    res.append(f"{bn}/w{w}/s{st} fail:{type(exc).__name__}")
-            rows.append(f"configs B={b} Nk={nk}: " + ", ".join(res))
-    finally:
-        kern._SPLIT_16BIT[:] = saved
-        flash._compiled.clear()
-        os.environ["ATTNSERVE_AUTOTUNE"] = "1"
+            rows.append(f"configs B={b} Nk={nk}: " + ", ".join(_config_cells(fn, ref, mb, MORE_CONFIGS)))
     return rows
 
 
