@@ -277,7 +277,8 @@ def _launch_layers(shape: tuple[int, int, int, int], dev: torch.device) -> None:
     kv_len = fl.kv_length_arg(None, n, dev)
     args = (q, k, v, o, lse, kv_len, *q.stride(), *k.stride(), *v.stride(), 0, *o.stride(), 0, *lse.stride(),
             h, 1, n, n, d ** -0.5 * kern.LOG2E, n, fl._bucket(n), fl._bucket(n))
-    meta = dict(D=d, BLOCK_D=fl.block_d(d), IS_CAUSAL=False, HAS_KV_LEN=False, PACK=1, DOT_PREC="tf32")
+    meta = dict(D=d, BLOCK_D=fl.block_d(d), IS_CAUSAL=False, HAS_KV_LEN=False, PACK=1, DOT_PREC="tf32",
+                SPLITS_FIRST=False)
     tuned = kern.attn_fwd_tuned
 
     def grid(cfg):
@@ -298,7 +299,7 @@ def _launch_layers(shape: tuple[int, int, int, int], dev: torch.device) -> None:
     try:
         compiled = tuned.fn.warmup(*args, grid=g, **meta, **ck)
         full = list(args) + [meta[k_] for k_ in ("D", "BLOCK_D")] + [ck["BLOCK_M"], ck["BLOCK_N"]] + \
-            [meta[k_] for k_ in ("IS_CAUSAL", "HAS_KV_LEN", "PACK", "DOT_PREC")]
+            [meta[k_] for k_ in ("IS_CAUSAL", "HAS_KV_LEN", "PACK", "DOT_PREC", "SPLITS_FIRST")]
         o.fill_(float("nan"))
         compiled[g](*full)
         torch.cuda.synchronize()

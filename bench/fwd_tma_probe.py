@@ -5,6 +5,7 @@
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --decode     # split counts x configs for decode
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --host       # host us of each piece of a launch
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --configs    # the shipped decode plan x more configs
+    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --stages     # decode: 2 or 3 split stages x batch size
 
 --variants prints, per shape, TFLOP/s of the production kernel, of SDPA's cuDNN and FlashAttention-2 backends,
 and of each probe variant × config, every one timed by replaying a CUDA graph (kernel time only,
@@ -330,6 +331,36 @@ def host_rows() -> list[str]:
     return [f"host {name}: {min(_host_us(fn, 400) for _ in range(5)):.1f} us" for name, fn in pieces.items()]
 
 
+STAGE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def stage_rows() -> list[str]:
+    """The shipped split config with 3 stages (two programs an SM) and with 2 (three), B = 1 to 16:
+    do_bench and graph GB/s, and whether the two gave the same bits."""
+    from kernels import _flash_fwd_kernels as kern
+    from kernels import flash
+
+    rows = []
+    with _split_configs():
+        for nk in (8192, 65536):
+            for b in STAGE_BATCHES:
+                q, k, v = _qkv(b, 32, 8, 1, nk, 128, torch.bfloat16)
+                mb = 2 * k.numel() * k.element_size() / 1e6
+
+                def fn(q=q, k=k, v=v):
+                    return flash_forward(q, k, v, causal=False, scale=128 ** -0.5)
+
+                cells, outs = [], []
+                for st in (3, 2):
+                    kern._SPLIT_16BIT[:] = [kern._cfg(16, 64, 4, st)]
+                    flash._compiled.clear()
+                    outs.append(fn())
+                    cells.append(f"s{st} {mb / bench_ms(fn):.0f} g{mb / graph_ms(fn):.0f}")
+                same = all(torch.equal(a, c) for a, c in zip(*outs, strict=True))
+                rows.append(f"stages B={b} Nk={nk}: " + ", ".join(cells) + ("" if same else " BITS DIFFER"))
+    return rows
+
+
 # ---- --variants: the bare probe kernel (host / device descriptors, warp-specialised or not)
 
 VARIANT_ROWS = [(torch.float16, 1, 32, 4096, 128), (torch.bfloat16, 1, 32, 4096, 128),
@@ -366,6 +397,7 @@ def main() -> None:
     triton.set_allocator(_alloc)  # the bare probe's device-side descriptors
     modes = {
         "--configs": lambda: config_rows(),
+        "--stages": lambda: stage_rows(),
         "--host": lambda: host_rows(),
         "--decode": lambda: [r for b, nk in DECODE for r in decode_rows(b, nk)],
         "--ws": lambda: [ws_row(*row) for row in WS_ROWS],

@@ -105,14 +105,20 @@ def attn_fwd(
     PACK: tl.constexpr,          # 1, or GROUP: the rows of one program are the GROUP query heads of
                                  # one kv head × N_Q queries (decode: K/V read once per kv head)
     DOT_PREC: tl.constexpr,      # "ieee" for float32 inputs (exact), "tf32" (ignored) for 16-bit
+    SPLITS_FIRST: tl.constexpr,  # grid (splits, B·Hq/PACK, row blocks), not (row blocks, B·Hq/PACK, splits)
 ):
     # ---- which rows this program owns ----
-    n_pid_m = tl.num_programs(0)
-    pid_m = tl.program_id(0)
+    if SPLITS_FIRST:                         # programs that run together read one head's neighbouring keys
+        n_pid_m = tl.num_programs(2)
+        pid_m = tl.program_id(2)
+        pid_s = tl.program_id(0)
+    else:
+        n_pid_m = tl.num_programs(0)
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(2)             # split of the key range
     if IS_CAUSAL:
         pid_m = n_pid_m - 1 - pid_m          # the longest rows first: better tail balance
     pid_bh = tl.program_id(1)                # batch × (Hq / PACK)
-    pid_s = tl.program_id(2)                 # split of the key range
     heads_per_prog = H_Q // PACK
     b = pid_bh // heads_per_prog
     hp = pid_bh % heads_per_prog

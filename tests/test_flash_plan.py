@@ -58,15 +58,29 @@ def test_the_16bit_split_kernel_has_one_config(dtype, block_d):
     assert len(flash.kern._prune_split(None, {"Q": q}, BLOCK_D=block_d)) == 1
 
 
+@pytest.mark.parametrize("hq, n_q", [(32, 1), (8, 64), (64, 64)])
+def test_merge_row_tile_does_not_depend_on_batch(monkeypatch, hq, n_q):
+    """The merge's row tile decides how each row's splits are summed; it once came from B·Hq·Nq."""
+    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    tiles = set()
+    monkeypatch.setattr(flash, "launch_plain", lambda fn, grid, args, consts, **kw: tiles.add(consts["RB"]))
+    for b in (1, 3, 100):
+        parts = torch.empty(4, b, hq, n_q, 128), torch.empty(4, b, hq, n_q)
+        flash.combine(*parts, torch.empty(b, hq, n_q, 128), torch.empty(b, hq, n_q))
+    assert len(tiles) == 1
+
+
 @pytest.mark.gpu
-def test_batched_decode_equals_lone_requests_bit_for_bit():
+@pytest.mark.parametrize("batch", [16, 80])
+def test_batched_decode_equals_lone_requests_bit_for_bit(batch):
+    """At B = 80 the merge has more than 16 rows per SM, where it used to take another row tile."""
     import kernels
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(16, 32, 1, 128, device="cuda", generator=g, dtype=torch.bfloat16)
-    k, v = (torch.randn(16, 8, 8192, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(batch, 32, 1, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 8, 8192, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     o, lse = kernels.attention(q, k, v, return_lse=True)
-    for i in (0, 5, 15):
+    for i in (0, 5, batch - 1):
         o_i, lse_i = kernels.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], return_lse=True)
         assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
 
