@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 
+from . import _flash_fwd_gluon as kern_gluon
 from . import _flash_fwd_kernels as kern
 from .dispatch import triton_interpret
 
@@ -264,6 +265,13 @@ def tma_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     return _tma_rows_ok(q) and _tma_rows_ok(k) and _tma_rows_ok(v)
 
 
+def gluon_path(q: torch.Tensor) -> bool:
+    """Whether ``attn_fwd_ws`` (Gluon, ``_flash_fwd_gluon.py``) serves a problem ``tma_path``
+    accepted: D 128 on a Hopper GPU. At D 64 it was no faster than ``attn_fwd_tma`` on the H200
+    (412 vs 408 TFLOP/s, fp16 4x32x4096x64), and Triton's interpreter cannot run Gluon."""
+    return q.shape[-1] == 128 and not interpreting() and _hopper(q.device)
+
+
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory for the kernels' device-side tensor descriptors (128 bytes each)."""
     return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
@@ -290,6 +298,19 @@ def _forward_tma(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> Non
            interpret_cfg=_TMA_INTERPRET_CFG)
 
 
+def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> None:
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    args = (
+        q, k, v, o, lse, kv_len,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        hq, hq // hkv, n_q, n_k, scale * kern.LOG2E,
+    )
+    triton.set_allocator(_scratch)  # its tensor descriptors are built on the device
+    launch_plain(kern_gluon.attn_fwd_ws, (_cdiv(n_q, kern_gluon.BLOCK_M), b * hq), args,
+                 dict(D=d, BLOCK_N=128, HAS_KV_LEN=has_kv_len, CONSUMER_REGS=232), num_warps=4)
+
+
 def flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -300,10 +321,12 @@ def flash_forward(
     kv_lengths: torch.Tensor | None = None,
     num_splits: int | None = None,
     tma: bool | None = None,
+    gluon: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32. ``num_splits`` forces the number
-    of key splits and ``tma`` the TMA kernel on (where its layout rules allow, whatever the sizes)
-    or off (tests, benchmarks); None lets ``plan`` and ``tma_path`` choose."""
+    of key splits and ``tma`` the TMA kernels on (where their layout rules allow, whatever the
+    sizes) or off; ``gluon=False`` takes ``attn_fwd_tma`` where ``attn_fwd_ws`` would serve (tests,
+    benchmarks). None lets ``plan`` and ``tma_path`` choose."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
@@ -313,7 +336,8 @@ def flash_forward(
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
     if tma is not False and tma_path(q, k, v, causal, scale, pack, splits, sizes=tma is None):
-        _forward_tma(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
+        forward = _forward_gluon if gluon and gluon_path(q) else _forward_tma
+        forward(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
         return o, lse
     if tma:
         raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
@@ -379,5 +403,5 @@ def flops(b: int, hq: int, n_q: int, n_k: int, d: int, causal: bool) -> float:
     return f / 2 if causal else f
 
 
-__all__ = ["block_d", "combine", "flash_forward", "flops", "freeze_autotuning", "merge_rows_per_program", "plan",
-           "tma_path"]
+__all__ = ["block_d", "combine", "flash_forward", "flops", "freeze_autotuning", "gluon_path",
+           "merge_rows_per_program", "plan", "tma_path"]

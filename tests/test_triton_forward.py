@@ -182,6 +182,63 @@ def test_tma_path_refuses_what_it_cannot_serve():
         flash_forward(q[:, :, :8], k[:, :, :8], v[:, :, :8], causal=True, scale=scale, tma=True)
 
 
+# ---- the Gluon kernel (attn_fwd_ws): Hopper only, and Triton's interpreter cannot run Gluon, so the
+# CPU checks that it compiles for sm_90 (its API use, layouts, register budget); the GPU its numerics
+
+
+_GLUON_COMPILE = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import _flash_fwd_gluon as kg
+
+dtype, has_kv_len = sys.argv[1], sys.argv[2] == "1"
+fn = kg.attn_fwd_ws
+sig = dict.fromkeys(fn.arg_names, "i32")
+sig.update(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
+consts = {}
+for name, value in dict(D=128, BLOCK_N=128, HAS_KV_LEN=has_kv_len, CONSUMER_REGS=232).items():
+    sig[name] = "constexpr"
+    consts[(fn.arg_names.index(name),)] = value
+compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = compiled.asm["ptx"]
+print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")))
+"""
+
+
+@pytest.mark.parametrize("has_kv_len", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gluon_kernel_compiles_for_hopper(has_kv_len, dtype, tmp_path):
+    """Compiled for sm_90 with Triton's own ptxas, no GPU needed; in a process of its own, since
+    under TRITON_INTERPRET=1 a jit function is an interpreter object that cannot be compiled."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
+    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, dtype, str(int(has_kv_len))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared, has_ops = done.stdout.split()
+    assert has_ops == "True", "expected wgmma, TMA copies and setmaxnreg in the PTX"
+    assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
+
+
+def test_gluon_path_is_hopper_and_d128_only(monkeypatch):
+    from kernels import flash
+
+    q = torch.empty(1, 2, 4096, 128, dtype=torch.float16)
+    assert not flash.gluon_path(q), "no Hopper GPU here"
+    monkeypatch.setattr(flash, "_hopper", lambda device: True)
+    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    assert flash.gluon_path(q)
+    assert not flash.gluon_path(q[..., :64]), "D = 64: attn_fwd_tma is as fast"
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -192,7 +249,7 @@ GPU_CASES = {
     "gqa_long": (1, 32, 8, 1024, 3000, 128, True, [3000]),
     "decode_split": (2, 32, 8, 1, 8192, 128, False, [8192, 777]),
     "decode_mqa_1": (1, 16, 1, 1, 65536, 128, False, None),
-    "tma_ragged": (2, 16, 4, 2100, 2500, 128, False, [2500, 1999]),  # the TMA kernel, chosen by size (>= 2048)
+    "tma_ragged": (2, 16, 4, 2100, 2500, 128, False, [2500, 1999]),  # a TMA kernel, chosen by size (>= 2048)
 }
 
 
@@ -273,9 +330,51 @@ def test_gpu_every_tma_config(d, monkeypatch, poisoned_empty):
         flash._compiled.clear()
         for case, dtype in cases:
             q, k, v, causal, scale, kvl = make(case, dtype, "cuda")
-            o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
+            o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True, gluon=False)
             check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
     flash._compiled.clear()
+
+
+GLUON_CASES = {
+    "ragged_gqa": (2, 16, 4, 2100, 2500, 128, False, [2500, 1999]),  # last Q and K blocks partial
+    "empty_row": (2, 4, 2, 300, 700, 128, False, [0, 650]),           # kv_len 0: o = 0, lse = -inf
+    "one_partial_block": (1, 4, 4, 70, 100, 128, False, None),        # one warpgroup's rows all past Nq
+    "whole_blocks": (1, 8, 8, 1024, 1024, 128, False, None),
+    "long_kv": (1, 2, 1, 129, 8197, 128, False, None),                # 65 key blocks: stage phases wrap
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(GLUON_CASES))
+def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
+    """attn_fwd_ws, the size threshold lifted (tma=True); a spy checks that it is the kernel that ran."""
+    from kernels import flash
+
+    ran = []
+    real = flash._forward_gluon
+    monkeypatch.setattr(flash, "_forward_gluon", lambda *a: ran.append(1) or real(*a))
+    q, k, v, causal, scale, kvl = make(GLUON_CASES[name], dtype, "cuda")
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
+    assert ran
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit():
+    """flash-attn's (B, N, H, D) layout read in place, through the automatic choice (N >= 2048);
+    each batch element's answer is its answer alone, bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(3, 2100, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(3, 2300, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+            for _ in range(2))
+    kvl = torch.tensor([2300, 2048, 7], device="cuda", dtype=torch.int32)
+    o, lse = flash_forward(q, k, v, causal=False, scale=0.09, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k, v, False, 0.09, kvl, abs_slack=2e-3)
+    for i in range(3):
+        o_i, lse_i = flash_forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=False, scale=0.09,
+                                   kv_lengths=kvl[i : i + 1])
+        assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
 
 
 @pytest.mark.gpu
