@@ -13,7 +13,8 @@ side in it:
   overlaps the other's GEMMs.
 
 What Triton's own ``warp_specialize`` of ``attn_fwd_tma`` could not express: that overlap inside a
-warpgroup, and stages released per consumer (H200, fp16 1x32x4096x128: 598 TFLOP/s against 508).
+warpgroup, and stages released per consumer (H200, fp16 1x32x4096x128: 546-565 TFLOP/s against
+``attn_fwd_tma``'s 496; docs/benchmarks/kernels.md, eleventh session).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-ROWS_PER_WARPGROUP = 64
-BLOCK_M = 2 * ROWS_PER_WARPGROUP  # rows per program: two consumer warpgroups
+BLOCK_M = 128  # rows per program (the launcher's grid): attn_fwd_ws's two consumer warpgroups of 64
 
 
 @gluon.jit
@@ -152,7 +152,7 @@ def attn_fwd_ws(
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
 ):
     """Non-causal prefill, grid (cdiv(Nq, 128), B·Hq), 4 warps (+ 4 + 1 in the partitions)."""
-    ROWS: gl.constexpr = 64
+    ROWS: gl.constexpr = 64              # per consumer warpgroup: BLOCK_M / 2
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = (pid_bh // H_Q).to(gl.int64)
