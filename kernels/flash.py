@@ -292,8 +292,6 @@ def _forward_tma(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> Non
     def grid(cfg):
         return (_cdiv(n_q, cfg["BLOCK_M"]), b * hq)
 
-    # a ContextVar: set in the launching thread (the service launches from worker threads)
-    triton.set_allocator(_scratch)
     launch(kern.attn_fwd_tma_tuned, grid, args, dict(D=d, HAS_KV_LEN=has_kv_len), q,
            interpret_cfg=_TMA_INTERPRET_CFG)
 
@@ -306,7 +304,6 @@ def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> N
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         hq, hq // hkv, n_q, n_k, scale * kern.LOG2E,
     )
-    triton.set_allocator(_scratch)  # its tensor descriptors are built on the device
     launch_plain(kern_gluon.attn_fwd_ws, (_cdiv(n_q, kern_gluon.BLOCK_M), b * hq), args,
                  dict(D=d, BLOCK_N=128, HAS_KV_LEN=has_kv_len, CONSUMER_REGS=232), num_warps=4)
 
@@ -336,6 +333,9 @@ def flash_forward(
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
     if tma is not False and tma_path(q, k, v, causal, scale, pack, splits, sizes=tma is None):
+        # both build their tensor descriptors on the device, in scratch from this allocator: a
+        # ContextVar, so set in the launching thread (the service launches from worker threads)
+        triton.set_allocator(_scratch)
         forward = _forward_gluon if gluon and gluon_path(q) else _forward_tma
         forward(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
         return o, lse
