@@ -1,6 +1,6 @@
 """Probes of the forward kernels on the H200 (not a test; prints tables).
 
-    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe              # the shipped kernel on the anchors
+    PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe              # the shipped kernels on the anchors
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --variants   # the first probe, below
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --decode     # split counts x configs for decode
     PYTHONPATH=$PWD python3 -m bench.fwd_tma_probe --host       # host us of each piece of a launch
@@ -100,9 +100,9 @@ def bench_ms(fn) -> float:
     return do_bench(fn, warmup=20, rep=100, return_mode="median")
 
 
-def _sdpa(backend, q, k, v, gqa=False):
+def _sdpa(backend, q, k, v, gqa=False, causal=False):
     with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, is_causal=causal)
 
 
 def _qkv(b, hq, hkv, n_q, n_k, d, dt):
@@ -111,48 +111,53 @@ def _qkv(b, hq, hkv, n_q, n_k, d, dt):
             torch.randn(b, hkv, n_k, d, device="cuda", dtype=dt))
 
 
-# ---- default: the shipped kernel on the non-causal anchors (ANCHORS.md) and long N
+# ---- default: the shipped kernel on the anchors (ANCHORS.md), long N, and causal at D 128
 
-ANCHOR_ROWS = [(torch.float16, 1, 32, 1024, 128), (torch.float16, 1, 32, 4096, 128),
-               (torch.float16, 1, 32, 16384, 128), (torch.float16, 4, 32, 1024, 64),
-               (torch.float16, 4, 32, 4096, 64), (torch.float16, 4, 32, 16384, 64),
-               (torch.float16, 16, 16, 512, 64), (torch.bfloat16, 1, 32, 4096, 128),
-               (torch.bfloat16, 1, 32, 16384, 128), (torch.bfloat16, 4, 32, 4096, 64),
-               (torch.float16, 1, 8, 65536, 128), (torch.float16, 1, 8, 131072, 128)]
+ANCHOR_ROWS = [(torch.float16, 1, 32, 1024, 128, False), (torch.float16, 1, 32, 4096, 128, False),
+               (torch.float16, 1, 32, 16384, 128, False), (torch.float16, 4, 32, 1024, 64, False),
+               (torch.float16, 4, 32, 4096, 64, False), (torch.float16, 4, 32, 16384, 64, False),
+               (torch.float16, 16, 16, 512, 64, False), (torch.bfloat16, 1, 32, 4096, 128, False),
+               (torch.bfloat16, 1, 32, 16384, 128, False), (torch.bfloat16, 4, 32, 4096, 64, False),
+               (torch.float16, 1, 8, 65536, 128, False), (torch.float16, 1, 8, 131072, 128, False),
+               (torch.float16, 1, 32, 1024, 128, True), (torch.float16, 1, 32, 2048, 128, True),
+               (torch.float16, 1, 32, 4096, 128, True), (torch.float16, 1, 32, 16384, 128, True),
+               (torch.bfloat16, 1, 32, 4096, 128, True), (torch.float16, 1, 8, 65536, 128, True)]
 
 
-def anchor_row(dt, b, h, n, d) -> str:
+def anchor_row(dt, b, h, n, d, causal) -> str:
     """TFLOP/s (do_bench median, L2 flushed before each call) of flash as shipped (attn_fwd_ws in
-    Gluon at D 128 on Hopper, attn_fwd_tma at D 64, where tma_path takes them), flash with Triton's
-    attn_fwd_tma instead of the Gluon kernel, with neither TMA kernel, SDPA cuDNN and FA2."""
+    Gluon at D 128 on Hopper, attn_fwd_tma at D 64, where their path functions take them), flash
+    with the Gluon kernel off, with both TMA kernels off, SDPA cuDNN and FA2."""
     from kernels import flash
 
     torch.manual_seed(0)
     q, k, v = _qkv(b, h, h, n, n, d, dt)
     sc = d ** -0.5
     provs = {
-        "flash": lambda: flash_forward(q, k, v, causal=False, scale=sc)[0],
-        "triton_tma": lambda: flash_forward(q, k, v, causal=False, scale=sc, gluon=False)[0],
-        "off": lambda: flash_forward(q, k, v, causal=False, scale=sc, tma=False)[0],
-        "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v),
-        "fa2": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v),
+        "flash": lambda: flash_forward(q, k, v, causal=causal, scale=sc)[0],
+        "no_gluon": lambda: flash_forward(q, k, v, causal=causal, scale=sc, gluon=False)[0],
+        "off": lambda: flash_forward(q, k, v, causal=causal, scale=sc, tma=False)[0],
+        "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal=causal),
+        "fa2": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal=causal),
     }
     outs = {name: fn() for name, fn in provs.items()}  # compile and tune all before timing any
-    fl = 4.0 * b * h * n * n * d
+    fl = 4.0 * b * h * n * n * d / (2 if causal else 1)
     tf = {name: fl / bench_ms(fn) / 1e9 for name, fn in provs.items()}
-    err = max((outs[x].float() - outs["fa2"].float()).abs().max().item() for x in ("flash", "triton_tma"))
+    err = max((outs[x].float() - outs["fa2"].float()).abs().max().item() for x in ("flash", "no_gluon"))
     path = "-"
-    if flash.tma_path(q, k, v, False, sc, 1, 1):
-        path = "gluon" if flash.gluon_path(q) else "tma"
-    return (f"| {str(dt)[6:]} | {b} | {h} | {n} | {d} | {tf['flash']:.0f} | {tf['triton_tma']:.0f} | {tf['off']:.0f} "
-            f"| {tf['cudnn']:.0f} | {tf['fa2']:.0f} | {tf['flash'] / tf['fa2']:.2f} | {tf['flash'] / tf['cudnn']:.2f} "
-            f"| {path} | {err:.1e} |")
+    if flash.gluon_path(q, k, v, causal, 1, 1):
+        path = "gluon"
+    elif flash.tma_path(q, k, v, causal, sc, 1, 1):
+        path = "tma"
+    return (f"| {str(dt)[6:]} | {b} | {h} | {n} | {d} | {causal} | {tf['flash']:.0f} | {tf['no_gluon']:.0f} "
+            f"| {tf['off']:.0f} | {tf['cudnn']:.0f} | {tf['fa2']:.0f} | {tf['flash'] / tf['fa2']:.2f} "
+            f"| {tf['flash'] / tf['cudnn']:.2f} | {path} | {err:.1e} |")
 
 
 def anchors() -> None:
-    print("| dtype | B | H | N | D | flash | flash, Triton TMA kernel | flash, no TMA | sdpa_cudnn | sdpa_flash "
+    print("| dtype | B | H | N | D | causal | flash | flash, gluon=False | flash, no TMA | sdpa_cudnn | sdpa_flash "
           "| flash/sdpa_flash | flash/sdpa_cudnn | path | max err vs sdpa_flash |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in ANCHOR_ROWS:
         print(anchor_row(*row), flush=True)
         torch.cuda.empty_cache()

@@ -1,8 +1,8 @@
 """The Hopper prefill forward in Gluon: FA3's warp specialisation, written out by hand.
 
-Only ``@gluon.jit`` code lives here; ``kernels/flash.py`` decides when it runs (``gluon_path``) and
-launches it. One program owns a 128-row Q block of one (batch, head) and three roles run side by
-side in it:
+Only ``@gluon.jit`` code lives here; ``kernels/flash.py`` decides when it runs (``gluon_path``),
+builds its TMA descriptors and launches it. One program owns a 128-row Q block of one (batch, head)
+and three roles run side by side in it:
 
 - a producer warp copies Q once, then K_j and V_j by TMA into two stages each, a stage only once
   both consumers have released it (``k_empty`` / ``v_empty``, one arrival per consumer);
@@ -12,9 +12,11 @@ side in it:
   warpgroups drift apart freely (no CTA-wide barrier in the loop), so one's softmax also
   overlaps the other's GEMMs.
 
-What Triton's own ``warp_specialize`` of ``attn_fwd_tma`` could not express: that overlap inside a
-warpgroup, and stages released per consumer (H200, fp16 1x32x4096x128: 546-565 TFLOP/s against
-``attn_fwd_tma``'s 496; docs/benchmarks/kernels.md, eleventh session).
+Causal (bottom-right) programs load no key block past their last row's diagonal and mask only the
+blocks that cross a warpgroup's diagonal. What Triton's own ``warp_specialize`` of ``attn_fwd_tma``
+could not express: that overlap inside a warpgroup, and stages released per consumer (H200, fp16
+1x32x4096x128: 565 TFLOP/s against ``attn_fwd_tma``'s 498; causal 492 against ``attn_fwd``'s 387;
+docs/benchmarks/kernels.md, twelfth session).
 """
 
 from __future__ import annotations
@@ -33,20 +35,43 @@ BLOCK_M = 128  # rows per program (the launcher's grid): attn_fwd_ws's two consu
 
 
 @gluon.jit
-def _scores(s, qk_scale, start, kv_len, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """S = Q Kᵀ of the block of keys [start, start + BLOCK_N) in log2 units; keys >= kv_len (a
-    ragged last block, or kv_lengths) -> -inf."""
+def _scores(s, qk_scale, start, kv_len, diag, IS_CAUSAL: gl.constexpr):
+    """S = Q Kᵀ of the block of keys [start, start + BLOCK_N) in log2 units, masked to -inf where
+    a key is >= kv_len (a ragged last block, or kv_lengths) or, causal, past its row's diagonal:
+    row r of the warpgroup sees keys <= diag + r. Only the blocks that need it pay for a mask."""
+    ROWS: gl.constexpr = s.shape[0]
+    BLOCK_N: gl.constexpr = s.shape[1]
+    s_layout: gl.constexpr = s.type.layout
     s = s * qk_scale
-    if start + BLOCK_N > kv_len:
-        cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(gl.expand_dims(cols < kv_len, 0), s, float("-inf"))
+    last = start + BLOCK_N - 1
+    if IS_CAUSAL:
+        masked = (last >= kv_len) | (last > diag)
+    else:
+        masked = last >= kv_len
+    if masked:
+        cols = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        keep = cols < kv_len
+        if IS_CAUSAL:
+            rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)), 1)
+            keep = keep & (cols <= rows + diag)
+        s = gl.where(keep, s, float("-inf"))
     return s
 
 
 @gluon.jit
+def _finite(m, IS_CAUSAL: gl.constexpr):
+    """The row max to subtract: 0 for a causal row that has seen no key yet (-inf - -inf is NaN).
+    Without causal masking every row sees key 0 (kv_len 0 runs no block)."""
+    if IS_CAUSAL:
+        return gl.where(m == float("-inf"), 0.0, m)
+    else:
+        return m
+
+
+@gluon.jit
 def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, desc_o, lse_ptr,
-              n_q, row0, kv_len, qk_scale):
-    """One warpgroup: its 64 rows of the Q block against keys [0, kv_len)."""
+              b, h, n_q, row0, n_blocks, kv_len, causal_off, qk_scale, IS_CAUSAL: gl.constexpr):
+    """One warpgroup: its 64 rows of the Q block against the program's n_blocks key blocks."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
@@ -57,7 +82,8 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    n_blocks = gl.cdiv(kv_len, BLOCK_N)
+    r0 = row0 + wg * ROWS
+    diag = r0 + causal_off  # the last key this warpgroup's first row may see (causal)
     q = q_smem.index(wg)
     acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
     m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -68,10 +94,10 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
         mbarrier.wait(k_ready.index(0), phase=0)
         s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
-        s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, 0, kv_len, BLOCK_N, s_layout)
+        s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, 0, kv_len, diag, IS_CAUSAL)
         mbarrier.arrive(k_empty.index(0))
         m_i = gl.max(s, axis=1)
-        p = gl.exp2(s - gl.expand_dims(m_i, 1))
+        p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL), 1))
         l_i = gl.sum(p, axis=1)
         for j in range(1, n_blocks):
             stage = j % 2
@@ -83,11 +109,12 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
-            s = _scores(s, qk_scale, j * BLOCK_N, kv_len, BLOCK_N, s_layout)
+            s = _scores(s, qk_scale, j * BLOCK_N, kv_len, diag, IS_CAUSAL)
             mbarrier.arrive(k_empty.index(stage))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            m_use = _finite(m_new, IS_CAUSAL)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
@@ -98,82 +125,97 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-    # rows that saw no key (kv_len = 0) -> o = 0, lse = -inf, as the other kernels
+    # rows that saw no key (kv_len = 0, or causal rows above the first key) -> o = 0, lse = -inf
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     q.store(o.to(dtype))  # this warpgroup is done with its Q rows: their smem takes O
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [row0 + wg * ROWS, 0], q)  # rows past N_Q are clipped
-    rows = row0 + wg * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    tma.async_copy_shared_to_global(desc_o, [b, h, r0, 0], _box(q, desc_o))  # rows past N_Q are clipped
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     gl.store(lse_ptr + rows, lse, mask=rows < n_q)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
+def _box(tile, desc):
+    """A (rows, D) tile of shared memory seen as the descriptor's (1, 1, rows, D) box: the same
+    bytes, as the leading dims are 1."""
+    return tile._reinterpret(tile.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              row0, kv_len):
+              b, h, kvh, row0, n_blocks):
     """One warp: both halves of the Q block, then K_i and V_i into stage i % 2, each once both
     consumers have released the block two before it."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    n_blocks = gl.cdiv(kv_len, BLOCK_N)
     if n_blocks > 0:
         for wg in gl.static_range(2):
             mbarrier.expect(q_bar.index(wg), desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [row0 + wg * ROWS, 0], q_bar.index(wg), q_smem.index(wg))
+            tma.async_copy_global_to_shared(desc_q, [b, h, row0 + wg * ROWS, 0], q_bar.index(wg),
+                                            _box(q_smem.index(wg), desc_q))
     for i in range(n_blocks):
         stage = i % 2
         reuse = i >= 2
         mbarrier.wait(k_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
         mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [i * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        tma.async_copy_global_to_shared(desc_k, [b, kvh, i * BLOCK_N, 0], k_ready.index(stage),
+                                        _box(k_smem.index(stage), desc_k))
         mbarrier.wait(v_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
         mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_v, [i * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        tma.async_copy_global_to_shared(desc_v, [b, kvh, i * BLOCK_N, 0], v_ready.index(stage),
+                                        _box(v_smem.index(stage), desc_v))
 
 
 @gluon.jit
 def attn_fwd_ws(
-    Q, K, V,                     # q (B, Hq, Nq, D); k, v (B, Hkv, Nk, D): last dim contiguous, 16-byte rows
-    O,                           # out: o (B, Hq, Nq, D), last dim contiguous
+    desc_q,                      # TMA descriptors over q (B, Hq, Nq, D), boxes (1, 1, 64, D),
+    desc_k, desc_v,              # k, v (B, Hkv, Nk, D), boxes (1, 1, BLOCK_N, D),
+    desc_o,                      # and the output o (B, Hq, Nq, D), boxes (1, 1, 64, D)
     LSE,                         # out: lse (B, Hq, Nq) fp32 natural log, contiguous
     KV_LEN,                      # int32 (B,) key lengths; unused unless HAS_KV_LEN
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
     H_Q, GROUP, N_Q, N_K,
     qk_scale,                    # scale · log2(e)
-    D: gl.constexpr,             # head dim (128: a TMA box is a whole row)
-    BLOCK_N: gl.constexpr,       # keys per block
     HAS_KV_LEN: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
 ):
-    """Non-causal prefill, grid (cdiv(Nq, 128), B·Hq), 4 warps (+ 4 + 1 in the partitions)."""
-    ROWS: gl.constexpr = 64              # per consumer warpgroup: BLOCK_M / 2
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = (pid_bh // H_Q).to(gl.int64)
-    h = (pid_bh % H_Q).to(gl.int64)
+    """Prefill, 128 query rows per program, 4 warps (+ 4 + 1 in the partitions). Grid
+    (cdiv(Nq, 128), B·Hq); causal, (B·Hq, cdiv(Nq, 128)) with the longest row blocks first.
+
+    The descriptors are built on the host over the whole 4-D tensors, so any batch and head
+    strides work (bnhd included) and a box past a head's last row reads zeros and stores nothing."""
+    ROWS: gl.constexpr = desc_q.block_type.shape[2]   # per consumer warpgroup: BLOCK_M / 2
+    BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    if IS_CAUSAL:
+        # the longest row blocks first: x runs fastest, so the first wave takes every head's last
+        pid_bh = gl.program_id(0)
+        pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
+    else:
+        # the row blocks of one head side by side: the programs running together share its K/V in L2
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
     kvh = h // GROUP
-    # descriptors per (batch, head): a block past a head's last row reads zeros and stores nothing
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc_q = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N_Q, D],
-                                        strides=[stride_qn, 1], block_shape=[ROWS, D], layout=row_layout)
-    desc_o = tma.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[N_Q, D],
-                                        strides=[stride_on, 1], block_shape=[ROWS, D], layout=row_layout)
-    desc_k = tma.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[N_K, D],
-                                        strides=[stride_kn, 1], block_shape=[BLOCK_N, D], layout=row_layout)
-    desc_v = tma.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[N_K, D],
-                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, D], layout=row_layout)
     if HAS_KV_LEN:
         kv_len = gl.load(KV_LEN + b)
     else:
         kv_len = N_K
     row0 = pid_m * 2 * ROWS
-    dtype: gl.constexpr = Q.dtype.element_ty
+    causal_off = N_K - N_Q
+    if IS_CAUSAL:
+        # keys past the diagonal of the block's last row (or N_Q's) are never loaded
+        hi = gl.minimum(kv_len, gl.minimum(row0 + 2 * ROWS, N_Q) + causal_off)
+        n_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(kv_len, BLOCK_N)
+    dtype: gl.constexpr = desc_q.block_type.element_ty
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], row_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], row_layout)
@@ -191,9 +233,9 @@ def attn_fwd_ws(
     lse_ptr = LSE + pid_bh.to(gl.int64) * N_Q
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, desc_o, lse_ptr,
-                     N_Q, row0, kv_len, qk_scale)),
+                     b, h, N_Q, row0, n_blocks, kv_len, causal_off, qk_scale, IS_CAUSAL)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, desc_o, lse_ptr,
-                     N_Q, row0, kv_len, qk_scale)),
+                     b, h, N_Q, row0, n_blocks, kv_len, causal_off, qk_scale, IS_CAUSAL)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     row0, kv_len)),
+                     b, h, kvh, row0, n_blocks)),
     ], [4, 1], [CONSUMER_REGS, 24])

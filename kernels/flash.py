@@ -20,6 +20,9 @@ import os
 import torch
 import triton
 
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
 from . import _flash_fwd_gluon as kern_gluon
 from . import _flash_fwd_kernels as kern
 from .dispatch import triton_interpret
@@ -91,6 +94,8 @@ def _signature(tuned, args: tuple, meta: dict, device: torch.device) -> tuple:
             sig.append(a)
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
             sig.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is TensorDescriptor:  # specialised on its dtype and box (its layout is fixed)
+            sig.append((a.base.dtype, *a.block_shape))
         elif isinstance(a, int):  # e.g. a numpy integer
             sig.append(int(a))
     sig.extend(meta.values())
@@ -148,7 +153,8 @@ def launch_plain(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
     if interpreting():
         fn[grid](*args, **consts, **options)
         return
-    key = _signature(fn, args, {**consts, **options}, args[0].device)
+    first = args[0].base if type(args[0]) is TensorDescriptor else args[0]
+    key = _signature(fn, args, {**consts, **options}, first.device)
     hit = _compiled.get(key)
     if hit is None:
         compiled = fn.warmup(*args, grid=grid, **consts, **options)
@@ -232,7 +238,7 @@ def split_keys(n_k: int, num_splits: int) -> tuple[int, int]:
     return triton.cdiv(n_k, kps), kps
 
 
-TMA_MIN_N = 2048  # at 1024, attn_fwd was as fast or faster (372 vs 363 TFLOP/s, 332 vs 315 at D=64)
+TMA_MIN_N = 2048  # attn_fwd_tma; at 1024, attn_fwd was as fast or faster (372 vs 363 TFLOP/s, 332 vs 315 at D=64)
 
 
 @functools.cache
@@ -265,11 +271,47 @@ def tma_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     return _tma_rows_ok(q) and _tma_rows_ok(k) and _tma_rows_ok(v)
 
 
-def gluon_path(q: torch.Tensor) -> bool:
-    """Whether ``attn_fwd_ws`` (Gluon, ``_flash_fwd_gluon.py``) serves a problem ``tma_path``
-    accepted: D 128 on a Hopper GPU. At D 64 it was no faster than ``attn_fwd_tma`` on the H200
-    (412 vs 408 TFLOP/s, fp16 4x32x4096x64), and Triton's interpreter cannot run Gluon."""
-    return q.shape[-1] == 128 and not interpreting() and _hopper(q.device)
+# below these (min(Nq, Nk)) the Triton kernels are as fast (H200, fp16 D 128, TFLOP/s Gluon vs
+# Triton: 374 vs 328 at 16x16x512, 66 vs 142 at 64x12x128; causal 211 vs 213 at 1x32x1024, 420 vs
+# 329 at 1x32x2048)
+GLUON_MIN_N = 512
+GLUON_MIN_N_CAUSAL = 2048
+
+
+def gluon_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pack: int, splits: int,
+               sizes: bool = True) -> bool:
+    """Whether ``attn_fwd_ws`` (Gluon, ``_flash_fwd_gluon.py``) serves this problem: 16-bit prefill
+    at D 128 on a Hopper GPU, causal or not, strides a host TMA descriptor takes (16-byte multiples,
+    none 0 on a dim longer than 1). At D 64 it was no faster than ``attn_fwd_tma`` on the H200 (412
+    vs 408 TFLOP/s, fp16 4x32x4096x64), and Triton's interpreter cannot run Gluon. ``sizes=False``
+    skips the sequence-length thresholds (tests). Never depends on B, as ``tma_path``."""
+    if pack != 1 or splits != 1 or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] != 128:
+        return False
+    if interpreting() or not _hopper(q.device):
+        return False
+    if sizes and min(q.shape[2], k.shape[2]) < (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N):
+        return False
+    return all(_tma_rows_ok(t) and all(st > 0 for st, n in zip(t.stride(), t.shape) if n > 1) for t in (q, k, v))
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A host TMA descriptor over a whole (B, H, N, D) tensor, in boxes of (1, 1, rows, D). A dim
+    of length 1 gets the stride it would have if contiguous (its own may be anything, even 0).
+
+    Built without ``TensorDescriptor.__post_init__``: its checks are ``gluon_path``'s, made once
+    per call, and cost ~3 us a descriptor on the launch path (tests run them on what this builds)."""
+    strides = list(t.stride())
+    for i in (2, 1, 0):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = t, list(t.shape), strides
+    desc.block_shape, desc.layout, desc.padding = [1, 1, rows, t.shape[-1]], _BOX_LAYOUT, "zero"
+    return desc
+
+
+_GLUON_BLOCK_N = 128  # keys per block of attn_fwd_ws (64: 536-562 TFLOP/s against 568-639)
+_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -296,16 +338,18 @@ def _forward_tma(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> Non
            interpret_cfg=_TMA_INTERPRET_CFG)
 
 
-def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> None:
+def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool) -> None:
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
+    rows = kern_gluon.BLOCK_M // 2
     args = (
-        q, k, v, o, lse, kv_len,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        hq, hq // hkv, n_q, n_k, scale * kern.LOG2E,
+        _descriptor(q, rows), _descriptor(k, _GLUON_BLOCK_N), _descriptor(v, _GLUON_BLOCK_N),
+        _descriptor(o, rows), lse, kv_len, hq, hq // hkv, n_q, n_k, scale * kern.LOG2E,
     )
-    launch_plain(kern_gluon.attn_fwd_ws, (_cdiv(n_q, kern_gluon.BLOCK_M), b * hq), args,
-                 dict(D=d, BLOCK_N=128, HAS_KV_LEN=has_kv_len, CONSUMER_REGS=232), num_warps=4)
+    blocks = _cdiv(n_q, kern_gluon.BLOCK_M)
+    grid = (b * hq, blocks) if causal else (blocks, b * hq)
+    launch_plain(kern_gluon.attn_fwd_ws, grid, args,
+                 dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=232), num_warps=4)
 
 
 def flash_forward(
@@ -332,12 +376,14 @@ def flash_forward(
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
+    if tma is not False and gluon and gluon_path(q, k, v, causal, pack, splits, sizes=tma is None):
+        _forward_gluon(q, k, v, o, lse, kv_len, kv_lengths is not None, scale, causal)
+        return o, lse
     if tma is not False and tma_path(q, k, v, causal, scale, pack, splits, sizes=tma is None):
-        # both build their tensor descriptors on the device, in scratch from this allocator: a
+        # it builds its tensor descriptors on the device, in scratch from this allocator: a
         # ContextVar, so set in the launching thread (the service launches from worker threads)
         triton.set_allocator(_scratch)
-        forward = _forward_gluon if gluon and gluon_path(q) else _forward_tma
-        forward(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
+        _forward_tma(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
         return o, lse
     if tma:
         raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")

@@ -187,29 +187,35 @@ def test_tma_path_refuses_what_it_cannot_serve():
 
 
 _GLUON_COMPILE = """
-import sys, triton
+import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
 from kernels import _flash_fwd_gluon as kg
+from kernels import flash
 
-dtype, has_kv_len = sys.argv[1], sys.argv[2] == "1"
+dtype, has_kv_len, causal = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 fn = kg.attn_fwd_ws
+t = torch.empty(1, 1, 128, 128, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 sig = dict.fromkeys(fn.arg_names, "i32")
-sig.update(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
+for name, rows in dict(desc_q=64, desc_k=flash._GLUON_BLOCK_N, desc_v=flash._GLUON_BLOCK_N, desc_o=64).items():
+    sig[name] = mangle_type(flash._descriptor(t, rows))  # the launcher's own descriptors
+sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
 consts = {}
-for name, value in dict(D=128, BLOCK_N=128, HAS_KV_LEN=has_kv_len, CONSUMER_REGS=232).items():
+for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=232).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 ptx = compiled.asm["ptx"]
-print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")))
+ops = ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg")
+print(compiled.metadata.shared, all(op in ptx for op in ops))
 """
 
 
-@pytest.mark.parametrize("has_kv_len", [False, True])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_gluon_kernel_compiles_for_hopper(has_kv_len, dtype, tmp_path):
+@pytest.mark.parametrize("dtype,has_kv_len,causal", [("fp16", False, False), ("bf16", True, False),
+                                                     ("fp16", True, True), ("bf16", False, True)])
+def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, tmp_path):
     """Compiled for sm_90 with Triton's own ptxas, no GPU needed; in a process of its own, since
     under TRITON_INTERPRET=1 a jit function is an interpreter object that cannot be compiled."""
     import os
@@ -220,23 +226,59 @@ def test_gluon_kernel_compiles_for_hopper(has_kv_len, dtype, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
-    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, dtype, str(int(has_kv_len))], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, dtype, str(int(has_kv_len)), str(int(causal))],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared, has_ops = done.stdout.split()
-    assert has_ops == "True", "expected wgmma, TMA copies and setmaxnreg in the PTX"
+    assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
 
 
-def test_gluon_path_is_hopper_and_d128_only(monkeypatch):
+def test_gluon_path_rules(monkeypatch):
+    """16-bit, D 128, Hopper, causal or not, N >= TMA_MIN_N unless sizes=False, strides a host
+    descriptor takes."""
     from kernels import flash
 
-    q = torch.empty(1, 2, 4096, 128, dtype=torch.float16)
-    assert not flash.gluon_path(q), "a CPU tensor"
+    q, k, v = (torch.empty(2, 4, 4096, 128, dtype=torch.float16) for _ in range(3))
+    assert not flash.gluon_path(q, k, v, False, 1, 1), "a CPU tensor"
     monkeypatch.setattr(flash, "_hopper", lambda device: True)
     monkeypatch.setattr(flash, "interpreting", lambda: False)
-    assert flash.gluon_path(q)
-    assert not flash.gluon_path(q[..., :64]), "D = 64: attn_fwd_tma is as fast"
+    assert flash.gluon_path(q, k, v, False, 1, 1) and flash.gluon_path(q, k, v, True, 1, 1)
+    assert not flash.gluon_path(q[..., :64], k[..., :64], v[..., :64], False, 1, 1), "D = 64: attn_fwd_tma is as fast"
+    assert not flash.gluon_path(q.float(), k.float(), v.float(), False, 1, 1), "fp32"
+    assert not flash.gluon_path(q, k, v, False, 1, 2) and not flash.gluon_path(q, k, v, False, 4, 1), "split, packed"
+    short = q[:, :, :100]
+    assert not flash.gluon_path(short, k, v, True, 1, 1) and flash.gluon_path(short, k, v, True, 1, 1, sizes=False)
+    mid = q[:, :, :flash.GLUON_MIN_N]
+    assert flash.gluon_path(mid, k, v, False, 1, 1) and not flash.gluon_path(mid, k, v, True, 1, 1), "causal: 2048"
+    assert not flash.gluon_path(q[:, :, :flash.GLUON_MIN_N - 1], k, v, False, 1, 1)
+    bnhd = torch.empty(2, 4096, 4, 128, dtype=torch.float16).transpose(1, 2)
+    assert flash.gluon_path(bnhd, bnhd, bnhd, False, 1, 1)
+    shared_kv = k[:1].expand(2, -1, -1, -1)  # stride 0 over B: a host descriptor cannot say it
+    assert not flash.gluon_path(q, shared_kv, v, False, 1, 1)
+    assert flash.gluon_path(q[:1], shared_kv[:1], v[:1], False, 1, 1), "a dim of 1 may have stride 0"
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype)
+    assert not flash.gluon_path(flat[1:].view(q.shape), k, v, False, 1, 1), "a base off a 16-byte boundary"
+
+
+def test_gluon_descriptor_strides():
+    """A dim of 1 gets the stride it would have if contiguous; the others keep their own."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels import flash
+
+    bnhd = torch.empty(3, 4096, 4, 128, dtype=torch.float16).transpose(1, 2)
+    d = flash._descriptor(bnhd, 64)
+    assert d.strides == [4096 * 4 * 128, 128, 4 * 128, 1] and d.block_shape == [1, 1, 64, 128]
+    one = torch.empty(8, 4, 4096, 128, dtype=torch.float16)[:1, :1].expand(1, 1, -1, -1)
+    assert flash._descriptor(one, 128).strides == [4096 * 128, 4096 * 128, 128, 1]
+    # stride 0 over a dim of 1 (expand of a lone head)
+    lone = torch.empty(1, 1, 4096, 128, dtype=torch.float16).expand(1, 1, 4096, 128).as_strided(
+        (1, 1, 4096, 128), (0, 0, 128, 1))
+    assert flash._descriptor(lone, 128).strides == [4096 * 128, 4096 * 128, 128, 1]
+    for d in (flash._descriptor(bnhd, 64), flash._descriptor(one, 128), flash._descriptor(lone, 128)):
+        # what it skipped: Triton's own checks of these fields
+        TensorDescriptor(d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding)
 
 
 # ---------------------------------------------------------------- GPU
@@ -341,9 +383,12 @@ GLUON_CASES = {
     "one_partial_block": (1, 4, 4, 40, 100, 128, False, None),        # the 2nd warpgroup's rows all past Nq
     "whole_blocks": (1, 8, 8, 1024, 1024, 128, False, None),
     "long_kv": (1, 2, 1, 129, 8197, 128, False, None),                # 65 key blocks: stage phases wrap
+    "causal_square": (2, 8, 2, 2100, 2100, 128, True, None),          # diagonal blocks, ragged last one
+    "causal_whole": (1, 4, 4, 1024, 1024, 128, True, None),
+    "causal_nq_lt_nk": (1, 4, 1, 300, 1000, 128, True, None),         # bottom-right: diagonal 700 keys in
+    "causal_nq_gt_nk": (1, 4, 2, 1000, 300, 128, True, None),         # rows 0..699 see no key
+    "causal_kv_lengths": (3, 4, 2, 700, 700, 128, True, [700, 333, 0]),  # padding and the diagonal together
 }
-
-
 needs_hopper = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9,
                                   reason="the Gluon kernel runs on Hopper (sm_90) only")
 
@@ -367,7 +412,8 @@ def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(causal, monkeypatch):
     """flash-attn's (B, N, H, D) layout read in place, through the automatic choice (N >= 2048);
     each batch element's answer is its answer alone, bit for bit."""
     from kernels import flash
@@ -380,10 +426,10 @@ def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(monkeypatch):
     k, v = (torch.randn(3, 2300, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
             for _ in range(2))
     kvl = torch.tensor([2300, 2048, 7], device="cuda", dtype=torch.int32)
-    o, lse = flash_forward(q, k, v, causal=False, scale=0.09, kv_lengths=kvl)
-    check_against_reference(o, lse, q, k, v, False, 0.09, kvl, abs_slack=2e-3)
+    o, lse = flash_forward(q, k, v, causal=causal, scale=0.09, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k, v, causal, 0.09, kvl, abs_slack=2e-3)
     for i in range(3):
-        o_i, lse_i = flash_forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=False, scale=0.09,
+        o_i, lse_i = flash_forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=causal, scale=0.09,
                                    kv_lengths=kvl[i : i + 1])
         assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
     assert ran == [3, 1, 1, 1]
