@@ -179,12 +179,13 @@ def attn_fwd_ws(
     KV_LEN,                      # int32 (B,) key lengths; unused unless HAS_KV_LEN
     H_Q, GROUP, N_Q, N_K,
     qk_scale,                    # scale · log2(e)
+    HEADS_PER_GROUP,             # causal: (batch, head)s scheduled together (grid order only)
     HAS_KV_LEN: gl.constexpr,
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
 ):
     """Prefill, 128 query rows per program, 4 warps (+ 4 + 1 in the partitions). Grid
-    (cdiv(Nq, 128), B·Hq); causal, (B·Hq, cdiv(Nq, 128)) with the longest row blocks first.
+    (cdiv(Nq, 128), B·Hq); causal, (cdiv(Nq, 128)·B·Hq,) in groups of heads, longest blocks first.
 
     The descriptors are built on the host over the whole 4-D tensors, so any batch and head
     strides work (bnhd included) and a box past a head's last row reads zeros and stores nothing."""
@@ -192,9 +193,16 @@ def attn_fwd_ws(
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     if IS_CAUSAL:
-        # the longest row blocks first: x runs fastest, so the first wave takes every head's last
-        pid_bh = gl.program_id(0)
-        pid_m = gl.num_programs(1) - 1 - gl.program_id(1)
+        # heads in groups of HEADS_PER_GROUP whose K/V fit in L2 together; within a group the longest
+        # row blocks of all its heads first (tail balance), then the next longest, ...
+        n_m = gl.cdiv(N_Q, 2 * ROWS)
+        pid = gl.program_id(0)
+        per_group = HEADS_PER_GROUP * n_m
+        g0 = pid // per_group * HEADS_PER_GROUP
+        heads = gl.minimum(HEADS_PER_GROUP, gl.num_programs(0) // n_m - g0)
+        within = pid % per_group
+        pid_m = n_m - 1 - within // heads
+        pid_bh = g0 + within % heads
     else:
         # the row blocks of one head side by side: the programs running together share its K/V in L2
         pid_m = gl.program_id(0)

@@ -261,6 +261,17 @@ def test_gluon_path_rules(monkeypatch):
     assert not flash.gluon_path(flat[1:].view(q.shape), k, v, False, 1, 1), "a base off a 16-byte boundary"
 
 
+def test_causal_heads_per_group_fit_l2(monkeypatch):
+    from kernels import flash
+
+    monkeypatch.setattr(flash, "_l2_bytes", lambda device: 50 * 2**20)
+    k = torch.empty(1, 32, 4096, 128, dtype=torch.float16)  # 2 MiB of K and V per head
+    assert flash.causal_heads_per_group(k, 32, 1) == 32, "64 MiB: all at once"
+    assert flash.causal_heads_per_group(k, 128, 1) == 43, "three even groups of <= 50"
+    assert flash.causal_heads_per_group(k, 128, 4) == 128, "GQA: four query heads read one kv head's"
+    assert flash.causal_heads_per_group(torch.empty(1, 8, 131072, 128, dtype=torch.float16), 8, 1) == 1
+
+
 def test_gluon_descriptor_strides():
     """A dim of 1 gets the stride it would have if contiguous; the others keep their own."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -408,6 +419,22 @@ def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
     assert ran
     check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("heads_per_group", [1, 3, 64])
+def test_gpu_gluon_causal_grid_orders(heads_per_group, monkeypatch, poisoned_empty):
+    """The causal grid's groups of heads (3: five groups of 3 and a last one of 1 among 16 heads):
+    every (row block, head) runs once, and the order changes no bit."""
+    from kernels import flash
+
+    q, k, v, causal, scale, kvl = make((2, 8, 2, 1000, 1100, 128, True, [1100, 640]), torch.bfloat16, "cuda")
+    want = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
+    monkeypatch.setattr(flash, "causal_heads_per_group", lambda k, heads, group: heads_per_group)
+    o, lse = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
+    check_against_reference(o, lse, q, k, v, True, scale, kvl, abs_slack=2e-3)
+    assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
 
 
 @pytest.mark.gpu
