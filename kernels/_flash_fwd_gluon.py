@@ -1,22 +1,24 @@
 """The Hopper prefill forward in Gluon: FA3's warp specialisation, written out by hand.
 
 Only ``@gluon.jit`` code lives here; ``kernels/flash.py`` decides when it runs (``gluon_path``),
-builds its TMA descriptors and launches it. One program owns a 128-row Q block of one (batch, head)
-and three roles run side by side in it:
+builds its TMA descriptors and launches it. A tile is a 128-row Q block of one (batch, head); a
+program works through its tiles (``_work`` gives their order) with three roles side by side:
 
-- a producer warp copies Q once, then K_j and V_j by TMA into two stages each, a stage only once
-  both consumers have released it (``k_empty`` / ``v_empty``, one arrival per consumer);
+- a producer warp copies each tile's Q once both consumers are done with the last one's, then K_j
+  and V_j by TMA into two stages each, a stage only once both consumers have released it
+  (``k_empty`` / ``v_empty``, one arrival per consumer). Its ring runs on across tiles;
 - two consumer warpgroups, 64 rows each, run the online softmax of ``_flash_fwd_kernels.py``
   (base 2, scale folded in). Within a warpgroup the S_j = Q K_jᵀ of block j is issued before the
   P_{j-1} V_{j-1} of block j-1, so its softmax overlaps the tensor cores' second GEMM; the two
   warpgroups drift apart freely (no CTA-wide barrier in the loop), so one's softmax also
-  overlaps the other's GEMMs.
+  overlaps the other's GEMMs. O leaves through a staging buffer of its own by TMA, while the next
+  tile's Q is already coming in.
 
-Causal (bottom-right) programs load no key block past their last row's diagonal and mask only the
+Causal (bottom-right) tiles load no key block past their last row's diagonal and mask only the
 blocks that cross a warpgroup's diagonal. What Triton's own ``warp_specialize`` of ``attn_fwd_tma``
-could not express: that overlap inside a warpgroup, and stages released per consumer (H200, fp16
-1x32x4096x128: 565 TFLOP/s against ``attn_fwd_tma``'s 498; causal 492 against ``attn_fwd``'s 387;
-docs/benchmarks/kernels.md, twelfth session).
+could not express: that overlap inside a warpgroup, stages released per consumer, and a pipeline
+that runs across tiles (H200, fp16 1x32x4096x128: 582-611 TFLOP/s against ``attn_fwd_tma``'s 498;
+causal 464 against ``attn_fwd``'s 387; docs/benchmarks/kernels.md, twelfth session).
 """
 
 from __future__ import annotations
@@ -69,9 +71,45 @@ def _finite(m, IS_CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, desc_o, lse_ptr,
-              b, h, n_q, row0, n_blocks, kv_len, causal_off, qk_scale, IS_CAUSAL: gl.constexpr):
-    """One warpgroup: its 64 rows of the Q block against the program's n_blocks key blocks."""
+def _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Tile t of the schedule -> (batch·head, b, h, kv head, first row, kv_len, key blocks).
+
+    Non-causal: the row blocks of one head side by side, so the programs working together share its
+    K/V in L2. Causal: heads in groups of HEADS_PER_GROUP (their K/V fit in L2 together), and within
+    a group the longest row blocks of all its heads first, then the next longest (tail balance)."""
+    n_m = gl.cdiv(N_Q, BLOCK_M)
+    if IS_CAUSAL:
+        per_group = HEADS_PER_GROUP * n_m
+        g0 = t // per_group * HEADS_PER_GROUP
+        heads = gl.minimum(HEADS_PER_GROUP, N_HEADS - g0)
+        within = t % per_group
+        pid_m = n_m - 1 - within // heads
+        pid_bh = g0 + within % heads
+    else:
+        pid_m = t % n_m
+        pid_bh = t // n_m
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    if HAS_KV_LEN:
+        kv_len = gl.load(KV_LEN + b)
+    else:
+        kv_len = N_K
+    row0 = pid_m * BLOCK_M
+    if IS_CAUSAL:
+        # keys past the diagonal of the block's last row (or N_Q's) are never loaded
+        hi = gl.minimum(kv_len, gl.minimum(row0 + BLOCK_M, N_Q) + N_K - N_Q)
+        n_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(kv_len, BLOCK_N)
+    return pid_bh, b, h, h // GROUP, row0, kv_len, n_blocks
+
+
+@gluon.jit
+def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
+              LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale,
+              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One warpgroup: its 64 rows of each of the program's tiles against the tile's key blocks."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
@@ -82,59 +120,74 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    r0 = row0 + wg * ROWS
-    diag = r0 + causal_off  # the last key this warpgroup's first row may see (causal)
     q = q_smem.index(wg)
-    acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
-    m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    if n_blocks > 0:
-        mbarrier.wait(q_bar.index(wg), phase=0)
-        # block 0: S_0 and its softmax; no P V before it
-        mbarrier.wait(k_ready.index(0), phase=0)
-        s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
-        s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, 0, kv_len, diag, IS_CAUSAL)
-        mbarrier.arrive(k_empty.index(0))
-        m_i = gl.max(s, axis=1)
-        p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL), 1))
-        l_i = gl.sum(p, axis=1)
-        for j in range(1, n_blocks):
-            stage = j % 2
-            prev = 1 - stage
-            # S_j first, then P_{j-1} V_{j-1}: the softmax of S_j runs while the second is in flight
-            mbarrier.wait(k_ready.index(stage), phase=(j // 2) & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), phase=((j - 1) // 2) & 1)
+    o_tile = o_smem.index(wg)
+    n_tiles = gl.cdiv(N_Q, 2 * ROWS) * N_HEADS
+    it = 0  # key blocks consumed so far: block it sits in stage it % 2, in that stage's (it // 2)-th fill
+    qc = 0  # Q tiles consumed so far
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_bh, b, h, kvh, row0, kv_len, n_blocks = _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS,
+                                                          HEADS_PER_GROUP, 2 * ROWS, BLOCK_N, HAS_KV_LEN, IS_CAUSAL)
+        r0 = row0 + wg * ROWS
+        diag = r0 + N_K - N_Q  # the last key this warpgroup's first row may see (causal)
+        acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
+        m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+        if n_blocks > 0:
+            mbarrier.wait(q_bar.index(wg), phase=qc & 1)
+            # block 0: S_0 and its softmax; no P V before it
+            st = it % 2
+            mbarrier.wait(k_ready.index(st), phase=(it // 2) & 1)
+            s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, 0, kv_len, diag, IS_CAUSAL)
+            mbarrier.arrive(k_empty.index(st))
+            m_i = gl.max(s, axis=1)
+            p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL), 1))
+            l_i = gl.sum(p, axis=1)
+            for j in range(1, n_blocks):
+                c = it + j
+                stage = c % 2
+                prev = 1 - stage
+                # S_j first, then P_{j-1} V_{j-1}: the softmax of S_j runs while the second is in flight
+                mbarrier.wait(k_ready.index(stage), phase=(c // 2) & 1)
+                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), phase=((c - 1) // 2) & 1)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
+                s = _scores(s, qk_scale, j * BLOCK_N, kv_len, diag, IS_CAUSAL)
+                mbarrier.arrive(k_empty.index(stage))
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_use = _finite(m_new, IS_CAUSAL)
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - gl.expand_dims(m_use, 1))
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+                mbarrier.arrive(v_empty.index(prev))
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            mbarrier.arrive(q_empty.index(wg))  # every S of this tile is done: the next tile's Q may come in
+            c = it + n_blocks - 1
+            last = c % 2
+            mbarrier.wait(v_ready.index(last), phase=(c // 2) & 1)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
-            s = _scores(s, qk_scale, j * BLOCK_N, kv_len, diag, IS_CAUSAL)
-            mbarrier.arrive(k_empty.index(stage))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_use = _finite(m_new, IS_CAUSAL)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - gl.expand_dims(m_use, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
             acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-            mbarrier.arrive(v_empty.index(prev))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        last = (n_blocks - 1) % 2
-        mbarrier.wait(v_ready.index(last), phase=((n_blocks - 1) // 2) & 1)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
-        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-    # rows that saw no key (kv_len = 0, or causal rows above the first key) -> o = 0, lse = -inf
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
-    q.store(o.to(dtype))  # this warpgroup is done with its Q rows: their smem takes O
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [b, h, r0, 0], _box(q, desc_o))  # rows past N_Q are clipped
-    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    gl.store(lse_ptr + rows, lse, mask=rows < n_q)
+            mbarrier.arrive(v_empty.index(last))
+            it += n_blocks
+            qc += 1
+        # rows that saw no key (kv_len = 0, or causal rows above the first key) -> o = 0, lse = -inf
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
+        tma.store_wait(pendings=0)  # the previous tile's O has left o_tile
+        o_tile.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_o, [b, h, r0, 0], _box(o_tile, desc_o))  # rows past N_Q are clipped
+        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        gl.store(LSE + pid_bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
     tma.store_wait(pendings=0)
 
 
@@ -146,28 +199,40 @@ def _box(tile, desc):
 
 
 @gluon.jit
-def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              b, h, kvh, row0, n_blocks):
-    """One warp: both halves of the Q block, then K_i and V_i into stage i % 2, each once both
-    consumers have released the block two before it."""
+def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+              KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP,
+              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One warp, over the program's tiles: both halves of the tile's Q block once each consumer
+    is done with the last one, then K_i and V_i into stage i % 2 (i counted over all tiles), each
+    once both consumers have released the block two before it."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    if n_blocks > 0:
-        for wg in gl.static_range(2):
-            mbarrier.expect(q_bar.index(wg), desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [b, h, row0 + wg * ROWS, 0], q_bar.index(wg),
-                                            _box(q_smem.index(wg), desc_q))
-    for i in range(n_blocks):
-        stage = i % 2
-        reuse = i >= 2
-        mbarrier.wait(k_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
-        mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [b, kvh, i * BLOCK_N, 0], k_ready.index(stage),
-                                        _box(k_smem.index(stage), desc_k))
-        mbarrier.wait(v_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
-        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_v, [b, kvh, i * BLOCK_N, 0], v_ready.index(stage),
-                                        _box(v_smem.index(stage), desc_v))
+    n_tiles = gl.cdiv(N_Q, 2 * ROWS) * N_HEADS
+    it = 0
+    qc = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_bh, b, h, kvh, row0, kv_len, n_blocks = _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS,
+                                                          HEADS_PER_GROUP, 2 * ROWS, BLOCK_N, HAS_KV_LEN, IS_CAUSAL)
+        if n_blocks > 0:
+            for wg in gl.static_range(2):
+                mbarrier.wait(q_empty.index(wg), phase=(qc - 1) & 1, pred=qc > 0)
+                mbarrier.expect(q_bar.index(wg), desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_q, [b, h, row0 + wg * ROWS, 0], q_bar.index(wg),
+                                                _box(q_smem.index(wg), desc_q))
+            qc += 1
+        for i in range(n_blocks):
+            c = it + i
+            stage = c % 2
+            reuse = c >= 2
+            mbarrier.wait(k_empty.index(stage), phase=((c // 2) - 1) & 1, pred=reuse)
+            mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [b, kvh, i * BLOCK_N, 0], k_ready.index(stage),
+                                            _box(k_smem.index(stage), desc_k))
+            mbarrier.wait(v_empty.index(stage), phase=((c // 2) - 1) & 1, pred=reuse)
+            mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_v, [b, kvh, i * BLOCK_N, 0], v_ready.index(stage),
+                                            _box(v_smem.index(stage), desc_v))
+        it += n_blocks
 
 
 @gluon.jit
@@ -178,72 +243,45 @@ def attn_fwd_ws(
     LSE,                         # out: lse (B, Hq, Nq) fp32 natural log, contiguous
     KV_LEN,                      # int32 (B,) key lengths; unused unless HAS_KV_LEN
     H_Q, GROUP, N_Q, N_K,
+    N_HEADS,                     # B·Hq
     qk_scale,                    # scale · log2(e)
-    HEADS_PER_GROUP,             # causal: (batch, head)s scheduled together (grid order only)
+    HEADS_PER_GROUP,             # causal: (batch, head)s scheduled together (order only, see _work)
     HAS_KV_LEN: gl.constexpr,
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
 ):
-    """Prefill, 128 query rows per program, 4 warps (+ 4 + 1 in the partitions). Grid
-    (cdiv(Nq, 128), B·Hq); causal, (cdiv(Nq, 128)·B·Hq,) in groups of heads, longest blocks first.
+    """Prefill, persistent: grid (min(tiles, SMs),), a tile = 128 query rows of one (batch, head),
+    taken in ``_work``'s order with a stride of the grid. 4 warps (+ 4 + 1 in the partitions).
 
     The descriptors are built on the host over the whole 4-D tensors, so any batch and head
     strides work (bnhd included) and a box past a head's last row reads zeros and stores nothing."""
     ROWS: gl.constexpr = desc_q.block_type.shape[2]   # per consumer warpgroup: BLOCK_M / 2
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
-    if IS_CAUSAL:
-        # heads in groups of HEADS_PER_GROUP whose K/V fit in L2 together; within a group the longest
-        # row blocks of all its heads first (tail balance), then the next longest, ...
-        n_m = gl.cdiv(N_Q, 2 * ROWS)
-        pid = gl.program_id(0)
-        per_group = HEADS_PER_GROUP * n_m
-        g0 = pid // per_group * HEADS_PER_GROUP
-        heads = gl.minimum(HEADS_PER_GROUP, gl.num_programs(0) // n_m - g0)
-        within = pid % per_group
-        pid_m = n_m - 1 - within // heads
-        pid_bh = g0 + within % heads
-    else:
-        # the row blocks of one head side by side: the programs running together share its K/V in L2
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-    b = pid_bh // H_Q
-    h = pid_bh % H_Q
-    kvh = h // GROUP
-    if HAS_KV_LEN:
-        kv_len = gl.load(KV_LEN + b)
-    else:
-        kv_len = N_K
-    row0 = pid_m * 2 * ROWS
-    causal_off = N_K - N_Q
-    if IS_CAUSAL:
-        # keys past the diagonal of the block's last row (or N_Q's) are never loaded
-        hi = gl.minimum(kv_len, gl.minimum(row0 + 2 * ROWS, N_Q) + causal_off)
-        n_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-    else:
-        n_blocks = gl.cdiv(kv_len, BLOCK_N)
     dtype: gl.constexpr = desc_q.block_type.element_ty
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)  # so the next Q may load early
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], row_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], row_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # its own consumer warpgroup
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
-    lse_ptr = LSE + pid_bh.to(gl.int64) * N_Q
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, desc_o, lse_ptr,
-                     b, h, N_Q, row0, n_blocks, kv_len, causal_off, qk_scale, IS_CAUSAL)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, desc_o, lse_ptr,
-                     b, h, N_Q, row0, n_blocks, kv_len, causal_off, qk_scale, IS_CAUSAL)),
-        (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     b, h, kvh, row0, n_blocks)),
+        (_consumer, (0, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
+                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL)),
+        (_consumer, (1, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
+                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL)),
+        (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, HAS_KV_LEN, IS_CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -359,13 +359,18 @@ def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, caus
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     rows = kern_gluon.BLOCK_M // 2
+    tiles = _cdiv(n_q, kern_gluon.BLOCK_M) * b * hq
     args = (
         _descriptor(q, rows), _descriptor(k, _GLUON_BLOCK_N), _descriptor(v, _GLUON_BLOCK_N),
-        _descriptor(o, rows), lse, kv_len, hq, hq // hkv, n_q, n_k, scale * kern.LOG2E,
+        _descriptor(o, rows), lse, kv_len, hq, hq // hkv, n_q, n_k, b * hq, scale * kern.LOG2E,
+        causal_heads_per_group(k, b * hq, hq // hkv) if causal else 1,
     )
-    blocks = _cdiv(n_q, kern_gluon.BLOCK_M)
-    grid = (blocks * b * hq,) if causal else (blocks, b * hq)
-    launch_plain(kern_gluon.attn_fwd_ws, grid, (*args, causal_heads_per_group(k, b * hq, hq // hkv) if causal else 1),
+    # non-causal: persistent, one program an SM (its shared memory allows no second), so a tile's
+    # Q load and O store overlap its neighbours' work. Causal: a program a tile, as tiles differ in
+    # length and the hardware's scheduler balances them better than a fixed stride (H200, fp16
+    # 1x32x16384 causal: 522-527 TFLOP/s against 491-492 persistent; 1x32x1024: 434-441 vs 409-410)
+    programs = tiles if causal else min(tiles, _num_sms(q.device))
+    launch_plain(kern_gluon.attn_fwd_ws, (programs,), args,
                  dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=232), num_warps=4)
 
 

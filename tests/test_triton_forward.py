@@ -399,6 +399,9 @@ GLUON_CASES = {
     "causal_nq_lt_nk": (1, 4, 1, 300, 1000, 128, True, None),         # bottom-right: diagonal 700 keys in
     "causal_nq_gt_nk": (1, 4, 2, 1000, 300, 128, True, None),         # rows 0..699 see no key
     "causal_kv_lengths": (3, 4, 2, 700, 700, 128, True, [700, 333, 0]),  # padding and the diagonal together
+    # more tiles than SMs (non-causal: several a persistent program), tiles with no key among them
+    "many_tiles": (3, 16, 4, 1100, 2100, 128, False, [2100, 0, 999]),
+    "many_tiles_causal": (3, 16, 4, 2100, 2100, 128, True, [2100, 0, 1500]),
 }
 needs_hopper = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9,
                                   reason="the Gluon kernel runs on Hopper (sm_90) only")
@@ -425,11 +428,11 @@ def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
 @needs_hopper
 @pytest.mark.parametrize("heads_per_group", [1, 3, 64])
 def test_gpu_gluon_causal_grid_orders(heads_per_group, monkeypatch, poisoned_empty):
-    """The causal grid's groups of heads (3: five groups of 3 and a last one of 1 among 16 heads):
-    every (row block, head) runs once, and the order changes no bit."""
+    """The causal schedule's groups of heads (3: five groups of 3 and a last one of 1 among 16 heads;
+    256 tiles): every (row block, head) runs once, and the order changes no bit."""
     from kernels import flash
 
-    q, k, v, causal, scale, kvl = make((2, 8, 2, 1000, 1100, 128, True, [1100, 640]), torch.bfloat16, "cuda")
+    q, k, v, causal, scale, kvl = make((2, 8, 2, 2000, 2100, 128, True, [2100, 640]), torch.bfloat16, "cuda")
     want = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
     monkeypatch.setattr(flash, "causal_heads_per_group", lambda k, heads, group: heads_per_group)
     o, lse = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
