@@ -32,6 +32,7 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from kernels import flash as flash_launcher  # noqa: E402
 from kernels.autograd import flash_attention_autograd  # noqa: E402
 from kernels.flash import flash_forward  # noqa: E402
 from kernels.flash_v1 import flash_v1_forward  # noqa: E402
@@ -113,6 +114,19 @@ def timed(fn, sets, causal, rep=60):
     return ms, extra, out
 
 
+def kernels_compiled_since(before: set) -> str:
+    """Which kernels (and autotuned configs) the launch cache gained since ``before``: what served
+    the row, so a table can say which config answered (the cache is keyed per shape and dtype)."""
+    names = []
+    for key in set(flash_launcher._compiled) - before:
+        compiled, cfg, _ = flash_launcher._compiled[key]
+        name = compiled.metadata.name
+        if cfg:
+            name += f" {cfg.get('BLOCK_M')}/{cfg.get('BLOCK_N')}/w{cfg['num_warps']}/s{cfg['num_stages']}"
+        names.append(name)
+    return ", ".join(sorted(names))
+
+
 def fwd_flops(b, hq, n_q, n_k, d, causal):
     f = 4.0 * b * hq * n_q * n_k * d
     return f / 2 if causal else f
@@ -142,7 +156,10 @@ def bench_forward(rows, providers, log):
                 continue
             try:
                 rep = 60 if n <= 16384 else 200
+                before = set(flash_launcher._compiled)
                 ms, extra, out = timed(fwd_fn(p), sets, causal, rep=rep)
+                if p == "flash":
+                    row["flash_kernel"] = kernels_compiled_since(before)
                 tf = fwd_flops(b, h, n, n, d, causal) / ms / 1e9
                 row[p] = round(tf)
                 row[p + "_mem"] = round(extra)
@@ -272,12 +289,12 @@ def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
              "(flash_v1 is non-causal only here, as the seed's kernel; effic/math skipped at N > 16k); "
              "`OOM-risk`: the N×N matrices would not fit. err = max |flash − sdpa_flash|.", ""]
     hdr = ["dtype", "B", "H", "N", "D", "causal", *FWD_PROVIDERS, "flash/sdpa_flash", "flash err",
-           "flash extra MB", "output MB"]
+           "flash extra MB", "output MB", "flash kernel (config)"]
     rows = []
     for r in fwd + long_rows:
         if "skipped" in r:
             rows.append([r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"], *["skipped"] * len(FWD_PROVIDERS),
-                         "", "", "", ""])
+                         "", "", "", "", ""])
             continue
         ratio = ""
         if isinstance(r.get("flash"), int) and isinstance(r.get("sdpa_flash"), int) and r["sdpa_flash"]:
@@ -285,7 +302,7 @@ def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
         rows.append([r["dtype"], r["B"], r["H"], r["N"], r["D"], r["causal"],
                      *[r.get(p, "") for p in FWD_PROVIDERS], ratio,
                      f"{r['flash_err']:.1e}" if "flash_err" in r else "",
-                     r.get("flash_mem", ""), r.get("out_MB", "")])
+                     r.get("flash_mem", ""), r.get("out_MB", ""), r.get("flash_kernel", "")])
     parts += [md_table(hdr, rows), ""]
     parts += ["## Decode", "", "bf16, Nq = 1, Hq 32 / Hkv 8, D 128: GB/s of K and V read once "
               "(copy ceiling ~4,300 GB/s read + write).", ""]

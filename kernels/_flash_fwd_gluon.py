@@ -250,8 +250,10 @@ def attn_fwd_ws(
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
 ):
-    """Prefill, persistent: grid (min(tiles, SMs),), a tile = 128 query rows of one (batch, head),
-    taken in ``_work``'s order with a stride of the grid. 4 warps (+ 4 + 1 in the partitions).
+    """Prefill; a tile = 128 query rows of one (batch, head). Grid (programs,): program p takes
+    tiles p, p + programs, ... in ``_work``'s order; the launcher gives min(tiles, SMs) programs
+    (persistent) to non-causal problems and one a tile to causal ones. 4 warps (+ 4 + 1 in the
+    partitions).
 
     The descriptors are built on the host over the whole 4-D tensors, so any batch and head
     strides work (bnhd included) and a box past a head's last row reads zeros and stores nothing."""

@@ -19,7 +19,6 @@ import os
 
 import torch
 import triton
-
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -291,7 +290,9 @@ def gluon_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         return False
     if sizes and min(q.shape[2], k.shape[2]) < (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N):
         return False
-    return all(_tma_rows_ok(t) and all(st > 0 for st, n in zip(t.stride(), t.shape) if n > 1) for t in (q, k, v))
+    # a stride of 0 over a dim longer than 1 (an expanded tensor): a TMA descriptor cannot say it
+    return all(_tma_rows_ok(t) and all(st > 0 for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+               for t in (q, k, v))
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
