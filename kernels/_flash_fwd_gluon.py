@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-BLOCK_M = 128  # rows per program (the launcher's grid): attn_fwd_ws's two consumer warpgroups of 64
+BLOCK_M = 128  # query rows per tile: attn_fwd_ws's two consumer warpgroups of 64
 
 
 @gluon.jit
@@ -76,7 +76,7 @@ def _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, BLOCK_M: gl
     """Tile t of the schedule -> (batch·head, b, h, kv head, first row, kv_len, key blocks).
 
     Non-causal: the row blocks of one head side by side, so the programs working together share its
-    K/V in L2. Causal: heads in groups of HEADS_PER_GROUP (their K/V fit in L2 together), and within
+    K/V in L2. Causal: heads in groups of HEADS_PER_GROUP (flash.causal_heads_per_group), and within
     a group the longest row blocks of all its heads first, then the next longest (tail balance)."""
     n_m = gl.cdiv(N_Q, BLOCK_M)
     if IS_CAUSAL:

@@ -286,6 +286,8 @@ def gluon_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     skips the sequence-length thresholds (tests). Never depends on B, as ``tma_path``."""
     if pack != 1 or splits != 1 or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] != 128:
         return False
+    if q.numel() == 0 or k.numel() == 0:  # a TMA descriptor has no empty dims
+        return False
     if interpreting() or not _hopper(q.device):
         return False
     if sizes and min(q.shape[2], k.shape[2]) < (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N):
@@ -348,9 +350,10 @@ def causal_heads_per_group(k: torch.Tensor, heads: int, group: int) -> int:
     """How many of the ``heads`` (batch, query head)s a causal ``attn_fwd_ws`` grid schedules
     together, in groups of even size: as many as have their K and V fit in twice the L2 (GQA:
     ``group`` query heads share a kv head's). All heads' longest row blocks first balances the tail,
-    but once their K/V outgrow L2 each program reads its blocks from HBM. H200 (50 MB of L2), fp16
-    causal TFLOP/s, all heads first vs head by head: 417 vs 368 at 1x32x2048 (34 MB of K/V in all),
-    480 vs 462 at 1x32x4096 (67 MB), 416 vs 471 at 4x32x4096 (268 MB), 490 vs 566 at 1x8x131072."""
+    but once their K/V outgrow L2 each program reads its blocks from HBM. H200 (60 MB of L2 as torch
+    reports it), fp16 causal TFLOP/s, all heads first vs head by head: 417-419 vs 367-368 at
+    1x32x2048 (34 MB of K/V in all), 478-480 vs 455-462 at 1x32x4096 (67 MB), 413-419 vs 466-477 at
+    4x32x4096 (268 MB), 476-505 vs 564-569 at 1x8x131072."""
     per_head = 2 * k.shape[2] * k.shape[3] * k.element_size() / group
     fit = max(1, int(2 * _l2_bytes(k.device) // per_head))
     return _cdiv(heads, _cdiv(heads, fit))

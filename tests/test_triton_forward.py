@@ -259,6 +259,7 @@ def test_gluon_path_rules(monkeypatch):
     assert flash.gluon_path(q[:1], shared_kv[:1], v[:1], False, 1, 1), "a dim of 1 may have stride 0"
     flat = torch.empty(q.numel() + 1, dtype=q.dtype)
     assert not flash.gluon_path(flat[1:].view(q.shape), k, v, False, 1, 1), "a base off a 16-byte boundary"
+    assert not flash.gluon_path(q[:0], k[:0], v[:0], False, 1, 1), "an empty batch"
 
 
 def test_causal_heads_per_group_fit_l2(monkeypatch):
