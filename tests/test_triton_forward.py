@@ -235,8 +235,8 @@ def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, tmp_path):
 
 
 def test_gluon_path_rules(monkeypatch):
-    """16-bit, D 128, Hopper, causal or not, N >= TMA_MIN_N unless sizes=False, strides a host
-    descriptor takes."""
+    """16-bit, D 128, Hopper, causal or not, min(Nq, Nk) >= GLUON_MIN_N (causal: GLUON_MIN_N_CAUSAL)
+    unless sizes=False, strides a host descriptor takes."""
     from kernels import flash
 
     q, k, v = (torch.empty(2, 4, 4096, 128, dtype=torch.float16) for _ in range(3))
@@ -263,6 +263,7 @@ def test_gluon_path_rules(monkeypatch):
 
 
 def test_causal_heads_per_group_fit_l2(monkeypatch):
+    """As many heads as have their K/V fit in twice the L2, split into even groups."""
     from kernels import flash
 
     monkeypatch.setattr(flash, "_l2_bytes", lambda device: 50 * 2**20)
@@ -404,6 +405,8 @@ GLUON_CASES = {
     "many_tiles": (3, 16, 4, 1100, 2100, 128, False, [2100, 0, 999]),
     "many_tiles_causal": (3, 16, 4, 2100, 2100, 128, True, [2100, 0, 1500]),
 }
+
+
 needs_hopper = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9,
                                   reason="the Gluon kernel runs on Hopper (sm_90) only")
 
