@@ -269,20 +269,22 @@ def attn_fwd_tma(
 
 
 @triton.jit
-def _merge_rows(
-    O_PART,                      # (S, R, D) fp32: each split's normalised output, contiguous
+def attn_combine(
+    O_PART,                      # (S, R, D) fp32: each split's normalised output, R = B·Hq·Nq rows, contiguous
     LSE_PART,                    # (S, R) fp32: each split's natural-log lse (-inf: saw no key)
     O,                           # out: o (B, Hq, Nq, D), any strides
     LSE,                         # out: lse (B, Hq, Nq) contiguous fp32
     stride_ob, stride_oh, stride_on, stride_od,
-    r, r_ok,                     # (RB,) rows of the (B·Hq·Nq) to merge, and which of them exist
-    R, N_SPLITS, H_Q, N_Q,
+    N_SPLITS, R, H_Q, N_Q,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,       # N_SPLITS padded to a power of two
-    RB: tl.constexpr,            # rows merged together
+    RB: tl.constexpr,            # rows per program
 ):
-    """Flash-decoding's reduction of RB rows: lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s.
-    All splits of all RB rows are loaded at once where the tile fits."""
+    """The merge after a split-KV launch, RB rows per program: flash-decoding's reduction
+    lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s. All splits of all RB rows are loaded at
+    once where the tile fits."""
+    r = tl.program_id(0) * RB + tl.arange(0, RB)
+    r_ok = r < R
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     r64 = r.to(tl.int64)
@@ -313,24 +315,6 @@ def _merge_rows(
     tl.store(O + (b * stride_ob + h * stride_oh + n * stride_on)[:, None] + offs_d[None, :] * stride_od,
              (acc / w_safe[:, None]).to(O.dtype.element_ty), mask=r_ok[:, None] & (offs_d[None, :] < D))
     tl.store(LSE + r64, tl.where(seen, m_use + tl.log(w_safe), float("-inf")), mask=r_ok)
-
-
-@triton.jit
-def attn_combine(
-    O_PART,                      # (S, R, D) fp32: each split's normalised output, R = B·Hq·Nq rows
-    LSE_PART,                    # (S, R) fp32: each split's natural-log lse (-inf: saw no key)
-    O,                           # out: o (B, Hq, Nq, D), any strides
-    LSE,                         # out: lse (B, Hq, Nq) contiguous fp32
-    stride_ob, stride_oh, stride_on, stride_od,
-    N_SPLITS, R, H_Q, N_Q,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,       # N_SPLITS padded to a power of two
-    RB: tl.constexpr,            # rows per program
-):
-    """The merge after a split-KV launch: ``_merge_rows`` over RB rows per program."""
-    r = tl.program_id(0) * RB + tl.arange(0, RB)
-    _merge_rows(O_PART, LSE_PART, O, LSE, stride_ob, stride_oh, stride_on, stride_od, r, r < R,
-                R, N_SPLITS, H_Q, N_Q, D, BLOCK_D, BLOCK_S, RB)
 
 
 # ---- autotuning: a handful of configs per head-dim class, keyed on what changes the best one ----
