@@ -349,9 +349,19 @@ def _d_class(block_d: int) -> int:
     return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
 
 
+# Fewer than 512 keys at D <= 64: only these, the fastest there, the first the default. H200,
+# 64x12x128x64 (TFLOP/s, bf16 / fp16): 124 / 121, 120 / 124, 115 / 117 against 80-108 for the rest.
+# With the whole list the autotuner's pick, and the row's speed, moved between processes (72-128 in
+# the benchmark's bf16 row), as ~6 us kernels time alike within its noise.
+_SHORT_64 = [_cfg(128, 32, 4, 3), _cfg(64, 32, 4, 3), _cfg(64, 64, 4, 2)]
+_SHORT_KEYS_BUCKET = 8  # N_K_BUCKET = floor(log2 Nk): Nk < 512
+
+
 def _prune_prefill(configs, nargs, **kw):
     if nargs["Q"].dtype.itemsize == 4:  # fp32 tiles take twice the shared memory
         return _PREFILL_FP32
+    if kw["BLOCK_D"] <= 64 and nargs["N_K_BUCKET"] <= _SHORT_KEYS_BUCKET:
+        return _SHORT_64
     return _PREFILL[_d_class(kw["BLOCK_D"])]
 
 
@@ -362,7 +372,7 @@ def _prune_split(configs, nargs, **kw):
 
 
 _KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "PACK", "N_Q_BUCKET", "N_K_BUCKET"]
-_ALL_PREFILL = [c for cs in _PREFILL.values() for c in cs] + _PREFILL_FP32
+_ALL_PREFILL = [c for cs in _PREFILL.values() for c in cs] + _PREFILL_FP32  # _SHORT_64 is among them
 
 
 def _tma_cfg(bm, bn, w, s, ws):

@@ -22,6 +22,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import _flash_decode_gluon as kern_decode
 from . import _flash_fwd_gluon as kern_gluon
 from . import _flash_fwd_kernels as kern
 from .dispatch import triton_interpret
@@ -101,12 +102,13 @@ def _signature(tuned, args: tuple, meta: dict, device: torch.device) -> tuple:
     return tuple(sig)
 
 
-def _choose_config(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor) -> tuple[dict, bool]:
+def _choose_config(tuned, grid, args: tuple, meta: dict) -> tuple[dict, bool]:
     """(config kwargs, launched): the tuned config, launched through the autotuner (which tunes a
     new key first); or the first pruned config, not launched (ATTNSERVE_AUTOTUNE=0, or a key not
     tuned before ``freeze_autotuning()``)."""
     if not autotune_enabled() or (_frozen and not _tuned_already(tuned, args, meta)):
-        cfg, launched = tuned.early_config_prune(tuned.configs, {"Q": first_tensor}, **meta)[0], False
+        named = dict(zip(tuned.arg_names, args, strict=False))  # what the autotuner's prune sees
+        cfg, launched = tuned.early_config_prune(tuned.configs, named, **meta)[0], False
     else:
         tuned[grid](*args, **meta)
         cfg, launched = tuned.best_config, True
@@ -133,7 +135,7 @@ def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor,
         compiled, cfg, tail = hit
         compiled[_grid3(grid(cfg))](*args, *tail)  # every argument, constexprs included, in signature order
         return
-    cfg, launched = _choose_config(tuned, grid, args, meta, first_tensor)
+    cfg, launched = _choose_config(tuned, grid, args, meta)
     consts = {**meta, **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}}
     compiled = raw.warmup(*args, grid=grid(cfg), **meta, **cfg)  # after the autotuner: a cache lookup
     if compiled is None:  # Triton's interpreter compiles nothing (tests that take this branch on a CPU)
@@ -292,9 +294,27 @@ def gluon_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         return False
     if sizes and min(q.shape[2], k.shape[2]) < (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N):
         return False
-    # a stride of 0 over a dim longer than 1 (an expanded tensor): a TMA descriptor cannot say it
-    return all(_tma_rows_ok(t) and all(st > 0 for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
-               for t in (q, k, v))
+    return all(_descriptor_ok(t) for t in (q, k, v))
+
+
+def _descriptor_ok(t: torch.Tensor) -> bool:
+    """Whether ``_descriptor`` can describe t: TMA's 16-byte rules, and no stride 0 over a dim
+    longer than 1 (an expanded tensor), which a TMA descriptor cannot say."""
+    return _tma_rows_ok(t) and all(st > 0 for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+
+
+def decode_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int, splits: int) -> bool:
+    """Whether ``attn_decode`` (Gluon, ``_flash_decode_gluon.py``) serves this problem: a
+    decode-like plan (GQA rows packed, or keys split; at most 64 rows a program), 16-bit at D 64 or
+    128 on a Hopper GPU, K and V that host TMA descriptors take (q is read through pointers, any
+    strides). Never depends on B, as ``tma_path``."""
+    if not (pack > 1 or splits > 1) or pack * q.shape[2] > kern_decode.ROWS.value:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
+        return False
+    if q.numel() == 0 or k.numel() == 0 or interpreting() or not _hopper(q.device):
+        return False
+    return _descriptor_ok(k) and _descriptor_ok(v)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -359,6 +379,27 @@ def causal_heads_per_group(k: torch.Tensor, heads: int, group: int) -> int:
     return _cdiv(heads, _cdiv(heads, fit))
 
 
+# attn_decode: keys per block, by D, and blocks in flight per program
+DECODE_BLOCK_N = {64: 128, 128: 64}
+DECODE_STAGES = 2
+
+
+def _forward_decode(q, k, v, o_out, lse_out, kv_len, has_kv_len: bool, scale: float, causal: bool,
+                    pack: int, splits: int, kps: int) -> None:
+    """attn_decode into o_out, lse_out: the per-split partials (S, ...), or o and lse seen with a
+    split dim of stride 0."""
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    args = (
+        q, _descriptor(k, DECODE_BLOCK_N[d]), _descriptor(v, DECODE_BLOCK_N[d]), o_out, lse_out, kv_len,
+        *q.stride(), *o_out.stride()[:4], *lse_out.stride(),
+        hq, hq // hkv, n_q, n_k, scale * kern.LOG2E, kps,
+    )
+    launch_plain(kern_decode.attn_decode, (splits, b * (hq // pack)), args,
+                 dict(PACK=pack, HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), STAGES=DECODE_STAGES),
+                 num_warps=4)
+
+
 def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool) -> None:
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -411,18 +452,31 @@ def flash_forward(
         triton.set_allocator(_scratch)
         _forward_tma(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
         return o, lse
-    if tma:
-        raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
-    bd = block_d(d)
-    rows = pack * n_q
-    if splits == 1:
-        o_out, lse_out = o, lse
-        so = (0, *o.stride())
-        sl = (0, *lse.stride())
+    if splits == 1:  # o and lse seen as one split (a split stride of 0)
+        o_out = o.as_strided((1, *o.shape), (0, *o.stride()))
+        lse_out = lse.as_strided((1, *lse.shape), (0, *lse.stride()))
     else:
         o_out = torch.empty(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
         lse_out = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
-        so, sl = o_out.stride(), lse_out.stride()
+    if tma is not False and gluon and decode_path(q, k, v, pack, splits):
+        _forward_decode(q, k, v, o_out, lse_out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
+    else:
+        if tma:
+            raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
+        _forward_triton(q, k, v, o_out, lse_out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
+    if splits > 1:
+        combine(o_out, lse_out, o, lse)
+    return o, lse
+
+
+def _forward_triton(q, k, v, o_out, lse_out, kv_len, has_kv_len: bool, scale: float, causal: bool,
+                    pack: int, splits: int, kps: int) -> None:
+    """attn_fwd into o_out, lse_out as ``_forward_decode``."""
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    bd = block_d(d)
+    rows = pack * n_q
+    so, sl = o_out.stride(), lse_out.stride()
     args = (
         q, k, v, o_out, lse_out, kv_len,
         *q.stride(), *k.stride(), *v.stride(), *so, *sl,
@@ -431,7 +485,7 @@ def flash_forward(
     # split-KV: the splits of one head side by side in the grid, so that the programs running
     # together read neighbouring keys (H200, B = 16 decode: +0.8% at 8k keys, +0.1% at 64k)
     meta = dict(
-        D=d, BLOCK_D=bd, IS_CAUSAL=bool(causal), HAS_KV_LEN=kv_lengths is not None, PACK=pack,
+        D=d, BLOCK_D=bd, IS_CAUSAL=bool(causal), HAS_KV_LEN=has_kv_len, PACK=pack,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLITS_FIRST=splits > 1,
     )
 
@@ -442,9 +496,6 @@ def flash_forward(
 
     tuned = kern.attn_fwd_tuned if splits == 1 and pack == 1 else kern.attn_fwd_split_tuned
     launch(tuned, grid, args, meta, q)
-    if splits > 1:
-        combine(o_out, lse_out, o, lse)
-    return o, lse
 
 
 def merge_rows_per_program(hq: int, n_q: int, d: int, device: torch.device) -> int:

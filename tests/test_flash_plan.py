@@ -128,6 +128,24 @@ def test_key_matches_triton_and_frozen_keys_are_not_tuned(fake_tuning):
     assert calls[-1][3] is False and torch.isfinite(o).all()
 
 
+def test_short_keys_at_d64_get_narrow_key_blocks(fake_tuning, monkeypatch):
+    """Under 512 keys at D <= 64 the autotuner chooses among the narrow-key configs only, 128/32
+    first: what an untuned launch (ATTNSERVE_AUTOTUNE=0, or a key unseen when frozen) runs. The
+    prune reads N_K_BUCKET, so the untuned path must hand it every named argument too."""
+    tuned, calls = fake_tuning
+    monkeypatch.setenv("ATTNSERVE_AUTOTUNE", "0")
+    picks = {}
+    for n, d in ((128, 64), (511, 40), (512, 64), (128, 128)):
+        q, k, v = _qkv(torch.float16, n=n, d=d)
+        flash.flash_forward(q, k, v, causal=False, scale=0.2)
+        t, args, meta, _ = calls[-1]
+        cfg, launched = flash._choose_config(t, None, args, meta)
+        picks[n, d] = (cfg["BLOCK_M"], cfg["BLOCK_N"])
+        assert not launched
+    assert picks[128, 64] == picks[511, 40] == (128, 32)
+    assert picks[512, 64] == (128, 128) and picks[128, 128] == (128, 128), "the general lists' first"
+
+
 @needs_interpreter
 @pytest.mark.parametrize("forward", ["flash", "flash_v1"])
 def test_out_of_range_lengths_are_clamped_by_the_launchers(forward):

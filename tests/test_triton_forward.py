@@ -262,6 +262,76 @@ def test_gluon_path_rules(monkeypatch):
     assert not flash.gluon_path(q[:0], k[:0], v[:0], False, 1, 1), "an empty batch"
 
 
+_DECODE_COMPILE = """
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from kernels import _flash_decode_gluon as kd
+from kernels import flash
+
+dtype, d, pack, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+fn = kd.attn_decode
+t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
+sig = dict.fromkeys(fn.arg_names, "i32")
+sig.update(desc_k=mangle_type(flash._descriptor(t, flash.DECODE_BLOCK_N[d])), Q="*" + dtype, O="*fp32",
+           LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
+sig["desc_v"] = sig["desc_k"]
+consts = {}
+for name, value in dict(PACK=pack, HAS_KV_LEN=True, IS_CAUSAL=causal, STAGES=flash.DECODE_STAGES).items():
+    sig[name] = "constexpr"
+    consts[(fn.arg_names.index(name),)] = value
+compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = compiled.asm["ptx"]
+print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor.4d")))
+"""
+
+
+@pytest.mark.parametrize("dtype,d,pack,causal", [("bf16", 128, 4, False), ("fp16", 128, 1, True),
+                                                 ("fp16", 64, 16, True)])
+def test_decode_kernel_compiles_for_hopper(dtype, d, pack, causal, tmp_path):
+    """attn_decode compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``; two programs'
+    shared memory must fit an SM, so that one's start overlaps the other's stream."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _DECODE_COMPILE, dtype, str(d), str(pack), str(int(causal))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared, has_ops = done.stdout.split()
+    assert has_ops == "True", "expected wgmma and 4-D TMA copies in the PTX"
+    assert 2 * (int(shared) + 1024) <= 228 * 1024  # two blocks an SM, each with 1 KiB the system reserves
+
+
+def test_decode_path_rules(monkeypatch):
+    """Packed or split plans, at most 64 rows a program, 16-bit, D 64 or 128, Hopper, K/V a host
+    descriptor takes; q may have any strides."""
+    from kernels import flash
+
+    q = torch.empty(2, 32, 1, 128, dtype=torch.bfloat16)
+    k, v = (torch.empty(2, 8, 8192, 128, dtype=torch.bfloat16) for _ in range(2))
+    assert not flash.decode_path(q, k, v, 4, 16), "a CPU tensor"
+    monkeypatch.setattr(flash, "_hopper", lambda device: True)
+    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    assert flash.decode_path(q, k, v, 4, 16) and flash.decode_path(q, k, v, 4, 1) and flash.decode_path(q, k, v, 1, 16)
+    assert not flash.decode_path(q, k, v, 1, 1), "neither packed nor split: a prefill kernel's problem"
+    assert not flash.decode_path(q.expand(2, 32, 17, 128), k, v, 4, 1), "4 x 17 rows > 64"
+    assert flash.decode_path(q.expand(2, 32, 16, 128), k, v, 4, 1), "q read through pointers: stride 0 is fine"
+    assert flash.decode_path(q[..., :64], k[..., :64], v[..., :64], 4, 16)
+    assert not flash.decode_path(q[..., :96], k[..., :96], v[..., :96], 4, 16), "D 96"
+    assert not flash.decode_path(q.float(), k.float(), v.float(), 4, 16), "fp32"
+    assert not flash.decode_path(q, k[:1].expand(2, -1, -1, -1), v, 4, 16), "stride 0 over B in k"
+    assert not flash.decode_path(q[:0], k[:0], v[:0], 4, 16), "an empty batch"
+    bnhd = torch.empty(2, 8192, 8, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert flash.decode_path(q, bnhd, bnhd, 4, 16)
+
+
 def test_causal_heads_per_group_fit_l2(monkeypatch):
     """As many heads as have their K/V fit in twice the L2, split into even groups."""
     from kernels import flash
@@ -467,6 +537,75 @@ def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(causal, monkeypatch
                                    kv_lengths=kvl[i : i + 1])
         assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
     assert ran == [3, 1, 1, 1]
+
+
+# ---- the Gluon decode kernel (attn_decode): split-KV, K/V by TMA
+
+DECODE_CASES = {
+    "gqa_split": (2, 32, 8, 1, 8192, 128, False, [8192, 777]),     # 16 splits; one batch row ends mid-split
+    "kv_len_zero": (3, 8, 2, 1, 3000, 128, False, [3000, 0, 1]),   # no key at all; a single key
+    "mha_rows": (2, 4, 4, 3, 5000, 128, False, None),              # pack 1: 3 query rows of one head, split
+    "gqa_causal_rows": (1, 8, 2, 5, 2000, 128, True, [1999]),     # 4 heads x 5 rows packed, a diagonal each
+    "causal_nq_gt_nk": (1, 4, 1, 16, 10, 128, True, None),         # 4 heads x 16 rows, unsplit: rows 0..5 see no key
+    "packed_unsplit": (2, 16, 2, 2, 300, 128, False, [300, 65]),   # Nk < 512: packed, one split, o itself
+    "mqa_d64": (1, 16, 1, 1, 9000, 64, False, None),               # D 64, ragged last block
+    "gqa_causal_short": (2, 8, 2, 8, 7, 64, True, None),           # rows 0..0 see no key: o = 0, lse = -inf
+}
+
+
+def _decode_spy(monkeypatch):
+    from kernels import flash
+
+    ran = []
+    real = flash._forward_decode
+    monkeypatch.setattr(flash, "_forward_decode", lambda *a: ran.append(a[-2:]) or real(*a))
+    return ran
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(DECODE_CASES))
+def test_gpu_decode_kernel(name, dtype, poisoned_empty, monkeypatch):
+    """attn_decode where flash.plan packs or splits; a spy checks that it is the kernel that ran."""
+    ran = _decode_spy(monkeypatch)
+    q, k, v, causal, scale, kvl = make(DECODE_CASES[name], dtype, "cuda")
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    assert ran, "attn_decode did not serve this case"
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("splits", [1, 2, 64])
+def test_gpu_decode_split_counts_and_phases(splits, monkeypatch, poisoned_empty):
+    """One split runs 147 key blocks through the stages (their phases wrap many times); 64 asked
+    give 37 splits of 256 keys, the last 25 empty for the short batch row."""
+    ran = _decode_spy(monkeypatch)
+    q, k, v, causal, scale, kvl = make((2, 8, 2, 1, 9400, 128, False, [9400, 3000]), torch.bfloat16, "cuda")
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=splits)
+    assert ran
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_decode_kernel_reads_strided_inputs_and_batches_bit_for_bit(monkeypatch):
+    """q, k, v in flash-attn's (B, N, H, D) layout, read in place; each batch element's answer is
+    its answer alone, bit for bit."""
+    ran = _decode_spy(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(3, 2, 32, 128, device="cuda", generator=g, dtype=torch.float16).transpose(1, 2)
+    k, v = (torch.randn(3, 6000, 8, 128, device="cuda", generator=g, dtype=torch.float16).transpose(1, 2)
+            for _ in range(2))
+    kvl = torch.tensor([6000, 4097, 5], device="cuda", dtype=torch.int32)
+    o, lse = flash_forward(q, k, v, causal=True, scale=0.1, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k, v, True, 0.1, kvl, abs_slack=2e-3)
+    for i in range(3):
+        o_i, lse_i = flash_forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=True, scale=0.1,
+                                   kv_lengths=kvl[i : i + 1])
+        assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
+    assert len(ran) == 4
 
 
 @pytest.mark.gpu
