@@ -26,6 +26,7 @@ import time
 import torch
 
 import kernels
+from bench.timing import graph_ms
 from kernels import _flash_fwd_kernels as kern
 from kernels.flash import flash_forward
 from service.engine import Engine
@@ -183,23 +184,6 @@ SHORT = [(torch.float16, 1, 32, 1024, 128, False), (torch.float16, 1, 32, 1024, 
          (torch.float16, 64, 12, 128, 64, False), (torch.bfloat16, 64, 12, 128, 64, False),
          (torch.float16, 1, 32, 4096, 128, False)]
 EXTRA = [(64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (128, 32, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)]
-
-
-def graph_ms(fn) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph: its kernels' time without the host's launch
-    work (``do_bench`` flushes L2 before each replay)."""
-    from triton.testing import do_bench
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=20, rep=80, return_mode="median")
 
 
 def part_kernels(sweep: bool) -> None:

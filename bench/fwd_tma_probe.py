@@ -26,7 +26,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from bench.diag_latency import graph_ms
+from bench.timing import graph_ms
 from kernels.flash import flash_forward
 
 

@@ -298,9 +298,16 @@ def gluon_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 
 def _descriptor_ok(t: torch.Tensor) -> bool:
-    """Whether ``_descriptor`` can describe t: TMA's 16-byte rules, and no stride 0 over a dim
-    longer than 1 (an expanded tensor), which a TMA descriptor cannot say."""
-    return _tma_rows_ok(t) and all(st > 0 for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    """Whether ``_descriptor`` can describe t: TMA's 16-byte rules (``_tma_rows_ok``), and no
+    stride 0 over a dim longer than 1 (an expanded tensor), which a TMA descriptor cannot say."""
+    strides = t.stride()
+    if strides[-1] != 1 or t.data_ptr() % 16:
+        return False
+    size = t.element_size()
+    for st, n in zip(strides[:-1], t.shape[:-1], strict=True):
+        if st * size % 16 or (st == 0 and n > 1):
+            return False
+    return True
 
 
 def decode_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int, splits: int) -> bool:
@@ -308,13 +315,32 @@ def decode_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int, sp
     decode-like plan (GQA rows packed, or keys split; at most 64 rows a program), 16-bit at D 64 or
     128 on a Hopper GPU, K and V that host TMA descriptors take (q is read through pointers, any
     strides). Never depends on B, as ``tma_path``."""
-    if not (pack > 1 or splits > 1) or pack * q.shape[2] > kern_decode.ROWS.value:
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
-        return False
-    if q.numel() == 0 or k.numel() == 0 or interpreting() or not _hopper(q.device):
-        return False
-    return _descriptor_ok(k) and _descriptor_ok(v)
+    return decode_descriptors(q, k, v, pack, splits) is not None
+
+
+def decode_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int,
+                       splits: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """``attn_decode``'s K and V descriptors where ``decode_path`` holds, else None. The stride
+    rules are checked on the descriptors' own lists: each torch stride or shape read costs ~1 us
+    of host time on the H200's host, and a decode launch is host-bound at B = 1."""
+    if pack == 1 and splits == 1:
+        return None
+    n_q, d = q.shape[2:]
+    if pack * n_q > kern_decode.ROWS.value or d not in (64, 128) or q.dtype not in _16BIT:
+        return None
+    if 0 in q.shape or 0 in k.shape or interpreting() or not _hopper(q.device):
+        return None
+    descs = (_descriptor(k, DECODE_BLOCK_N[d]), _descriptor(v, DECODE_BLOCK_N[d]))
+    for desc in descs:
+        # 16-byte multiples of 2-byte elements; a dim of 1 has a canonical stride by now, so a 0
+        # left is an expanded dim, which a descriptor cannot say
+        *outer, last = desc.strides
+        if last != 1 or desc.base.data_ptr() % 16 or any(st % 8 or st == 0 for st in outer):
+            return None
+    return descs
+
+
+_16BIT = (torch.float16, torch.bfloat16)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -384,14 +410,14 @@ DECODE_BLOCK_N = {64: 128, 128: 64}
 DECODE_STAGES = 2
 
 
-def _forward_decode(q, k, v, o_out, lse_out, kv_len, has_kv_len: bool, scale: float, causal: bool,
+def _forward_decode(q, k, v, descs, o_out, lse_out, kv_len, has_kv_len: bool, scale: float, causal: bool,
                     pack: int, splits: int, kps: int) -> None:
     """attn_decode into o_out, lse_out: the per-split partials (S, ...), or o and lse seen with a
-    split dim of stride 0."""
-    b, hq, n_q, d = q.shape
+    split dim of stride 0. ``descs``: ``decode_descriptors``'."""
+    b, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     args = (
-        q, _descriptor(k, DECODE_BLOCK_N[d]), _descriptor(v, DECODE_BLOCK_N[d]), o_out, lse_out, kv_len,
+        q, *descs, o_out, lse_out, kv_len,
         *q.stride(), *o_out.stride()[:4], *lse_out.stride(),
         hq, hq // hkv, n_q, n_k, scale * kern.LOG2E, kps,
     )
@@ -458,8 +484,10 @@ def flash_forward(
     else:
         o_out = torch.empty(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
         lse_out = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
-    if tma is not False and gluon and decode_path(q, k, v, pack, splits):
-        _forward_decode(q, k, v, o_out, lse_out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
+    descs = decode_descriptors(q, k, v, pack, splits) if tma is not False and gluon else None
+    if descs is not None:
+        _forward_decode(q, k, v, descs, o_out, lse_out, kv_len, kv_lengths is not None, scale, causal, pack,
+                        splits, kps)
     else:
         if tma:
             raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
