@@ -350,9 +350,8 @@ def _d_class(block_d: int) -> int:
 
 
 # Fewer than 512 keys at D <= 64: only these, the fastest there, the first the default. H200,
-# 64x12x128x64 (TFLOP/s, bf16 / fp16): 124 / 121, 120 / 124, 115 / 117 against 80-108 for the rest.
-# With the whole list the autotuner's pick, and the row's speed, moved between processes (72-128 in
-# the benchmark's bf16 row), as ~6 us kernels time alike within its noise.
+# 64x12x128x64 (TFLOP/s, bf16 / fp16): 124 / 121, 120 / 124, 115 / 117 against 80-108 for the rest,
+# so an untuned launch (ATTNSERVE_AUTOTUNE=0, a key unseen when frozen) no longer runs 128/128 (82).
 _SHORT_64 = [_cfg(128, 32, 4, 3), _cfg(64, 32, 4, 3), _cfg(64, 64, 4, 2)]
 _SHORT_KEYS_BUCKET = 8  # N_K_BUCKET = floor(log2 Nk): Nk < 512
 

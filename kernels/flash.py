@@ -272,10 +272,11 @@ def tma_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     return _tma_rows_ok(q) and _tma_rows_ok(k) and _tma_rows_ok(v)
 
 
-# below these (min(Nq, Nk)) the Triton kernels are as fast (H200, fp16 D 128, TFLOP/s Gluon vs
-# Triton: 374 vs 328 at 16x16x512, 66 vs 142 at 64x12x128; causal 211 vs 213 at 1x32x1024, 420 vs
-# 329 at 1x32x2048)
-GLUON_MIN_N = 512
+# below these (min(Nq, Nk)) the Triton kernels are as fast (H200, D 128, TFLOP/s Gluon vs Triton,
+# CUDA-graph replay: 356 vs 253 at fp16 64x16x256, 361 vs 253 at bf16 32x32x256, 254 vs 201 at fp16
+# 16x16x256 (eager there 136-143 vs 192-204: four descriptors' host work); 66 vs 142 at 64x12x128
+# before the persistent schedule; causal 211 vs 213 at 1x32x1024, 420 vs 329 at 1x32x2048)
+GLUON_MIN_N = 256
 GLUON_MIN_N_CAUSAL = 2048
 
 
