@@ -5,11 +5,13 @@ builds the K/V descriptors, launches it and merges the splits (``attn_combine``)
 split of the keys of one (batch, head pack): up to 64 query rows (the GQA group of a kv head ×
 Nq, or Nq rows of one head), padded to a wgmma's 64.
 
-Why not the Triton split kernel (``attn_fwd`` with ``PACK``): decode reads every byte of K and V
-once and does little with it, so its speed is how many bytes each SM keeps in flight. There, 4
-warps each copy a slice of the next blocks (cp.async, 2 blocks ahead); here one thread asks the
-TMA engine for whole blocks, ``STAGES`` ahead, and a stage is refilled as soon as its GEMM is done
-(K right after S = Q Kᵀ, before the softmax; V after P V).
+One thread asks the TMA engine for whole K and V blocks, ``STAGES`` ahead, and a stage is refilled
+as soon as its GEMM is done (K right after S = Q Kᵀ, before the softmax; V after P V). Against the
+Triton split kernel (``attn_fwd`` with ``PACK``, same plan and merge) on the H200, device time:
++2-5% at D 128 and B = 1, +1-2% at B = 16; +28% at D 64, B = 1, 32k keys, +9% at B = 16, 64k. Not
+from the copies' depth: more stages or wider blocks were no faster. Host time: ~20 us more a call
+(Triton's launcher encodes the two descriptors on every launch), which an eager B = 1 decode waits
+for (docs/benchmarks/kernels.md, thirteenth session).
 
 The online softmax is ``_flash_fwd_kernels.py``'s (base 2, scale folded in); each split stores its
 O normalised by its own l, in fp32, with its lse, or, unsplit, the final o in q's dtype.

@@ -311,6 +311,9 @@ def _descriptor_ok(t: torch.Tensor) -> bool:
     return True
 
 
+_16BIT = (torch.float16, torch.bfloat16)
+
+
 def decode_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int, splits: int) -> bool:
     """Whether ``attn_decode`` (Gluon, ``_flash_decode_gluon.py``) serves this problem: a
     decode-like plan (GQA rows packed, or keys split; at most 64 rows a program), 16-bit at D 64 or
@@ -322,8 +325,8 @@ def decode_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int, sp
 def decode_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int,
                        splits: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """``attn_decode``'s K and V descriptors where ``decode_path`` holds, else None. The stride
-    rules are checked on the descriptors' own lists: each torch stride or shape read costs ~1 us
-    of host time on the H200's host, and a decode launch is host-bound at B = 1."""
+    rules are checked on the lists the descriptors hold anyway: an eager decode at B = 1 waits on
+    the host, and reading each tensor's strides once saved ~7 us a call on the H200's host."""
     if pack == 1 and splits == 1:
         return None
     n_q, d = q.shape[2:]
@@ -339,9 +342,6 @@ def decode_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: 
         if last != 1 or desc.base.data_ptr() % 16 or any(st % 8 or st == 0 for st in outer):
             return None
     return descs
-
-
-_16BIT = (torch.float16, torch.bfloat16)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -411,15 +411,17 @@ DECODE_BLOCK_N = {64: 128, 128: 64}
 DECODE_STAGES = 2
 
 
-def _forward_decode(q, k, v, descs, o_out, lse_out, kv_len, has_kv_len: bool, scale: float, causal: bool,
+def _forward_decode(q, k, v, descs, out, kv_len, has_kv_len: bool, scale: float, causal: bool,
                     pack: int, splits: int, kps: int) -> None:
-    """attn_decode into o_out, lse_out: the per-split partials (S, ...), or o and lse seen with a
-    split dim of stride 0. ``descs``: ``decode_descriptors``'."""
+    """attn_decode with ``decode_descriptors``' descs into out = (o, lse, their strides with a
+    split stride first): the per-split partials (S, B, Hq, Nq, D) and (S, B, Hq, Nq), or o and
+    lse themselves with a split stride of 0."""
     b, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
+    o_out, lse_out, so, sl = out
     args = (
         q, *descs, o_out, lse_out, kv_len,
-        *q.stride(), *o_out.stride()[:4], *lse_out.stride(),
+        *q.stride(), *so[:4], *sl,
         hq, hq // hkv, n_q, n_k, scale * kern.LOG2E, kps,
     )
     launch_plain(kern_decode.attn_decode, (splits, b * (hq // pack)), args,
@@ -479,33 +481,32 @@ def flash_forward(
         triton.set_allocator(_scratch)
         _forward_tma(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)
         return o, lse
-    if splits == 1:  # o and lse seen as one split (a split stride of 0)
-        o_out = o.as_strided((1, *o.shape), (0, *o.stride()))
-        lse_out = lse.as_strided((1, *lse.shape), (0, *lse.stride()))
+    if splits == 1:  # o and lse themselves, as one split (a split stride of 0)
+        out = (o, lse, (0, *o.stride()), (0, *lse.stride()))
     else:
-        o_out = torch.empty(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
-        lse_out = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
+        o_part = torch.empty(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
+        out = (o_part, lse_part, o_part.stride(), lse_part.stride())
     descs = decode_descriptors(q, k, v, pack, splits) if tma is not False and gluon else None
     if descs is not None:
-        _forward_decode(q, k, v, descs, o_out, lse_out, kv_len, kv_lengths is not None, scale, causal, pack,
-                        splits, kps)
+        _forward_decode(q, k, v, descs, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
     else:
         if tma:
             raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
-        _forward_triton(q, k, v, o_out, lse_out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
+        _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
     if splits > 1:
-        combine(o_out, lse_out, o, lse)
+        combine(o_part, lse_part, o, lse)
     return o, lse
 
 
-def _forward_triton(q, k, v, o_out, lse_out, kv_len, has_kv_len: bool, scale: float, causal: bool,
+def _forward_triton(q, k, v, out, kv_len, has_kv_len: bool, scale: float, causal: bool,
                     pack: int, splits: int, kps: int) -> None:
-    """attn_fwd into o_out, lse_out as ``_forward_decode``."""
+    """attn_fwd into ``out`` as ``_forward_decode``."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     bd = block_d(d)
     rows = pack * n_q
-    so, sl = o_out.stride(), lse_out.stride()
+    o_out, lse_out, so, sl = out
     args = (
         q, k, v, o_out, lse_out, kv_len,
         *q.stride(), *k.stride(), *v.stride(), *so, *sl,
