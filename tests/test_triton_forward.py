@@ -216,8 +216,15 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
 @pytest.mark.parametrize("dtype,has_kv_len,causal", [("fp16", False, False), ("bf16", True, False),
                                                      ("fp16", True, True), ("bf16", False, True)])
 def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, tmp_path):
-    """Compiled for sm_90 with Triton's own ptxas, no GPU needed; in a process of its own, since
-    under TRITON_INTERPRET=1 a jit function is an interpreter object that cannot be compiled."""
+    """Compiled for sm_90 with Triton's own ptxas, no GPU needed."""
+    shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, [dtype, str(int(has_kv_len)), str(int(causal))], tmp_path)
+    assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
+    assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
+
+
+def _compile_for_sm90(script: str, argv: list[str], tmp_path) -> list[str]:
+    """Run a compile script in a process of its own (under TRITON_INTERPRET=1 a jit function is an
+    interpreter object that cannot be compiled); its stdout's words."""
     import os
     import subprocess
     import sys
@@ -226,12 +233,10 @@ def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
-    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, dtype, str(int(has_kv_len)), str(int(causal))],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    shared, has_ops = done.stdout.split()
-    assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
-    assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
+    return done.stdout.split()
 
 
 def test_gluon_path_rules(monkeypatch):
@@ -293,18 +298,7 @@ print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.
 def test_decode_kernel_compiles_for_hopper(dtype, d, pack, causal, tmp_path):
     """attn_decode compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``; two programs'
     shared memory must fit an SM, so that one's start overlaps the other's stream."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _DECODE_COMPILE, dtype, str(d), str(pack), str(int(causal))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared, has_ops = done.stdout.split()
+    shared, has_ops = _compile_for_sm90(_DECODE_COMPILE, [dtype, str(d), str(pack), str(int(causal))], tmp_path)
     assert has_ops == "True", "expected wgmma and 4-D TMA copies in the PTX"
     assert 2 * (int(shared) + 1024) <= 228 * 1024  # two blocks an SM, each with 1 KiB the system reserves
 
