@@ -481,11 +481,7 @@ needs_hopper = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capabili
 @pytest.mark.parametrize("name", sorted(GLUON_CASES))
 def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
     """attn_fwd_ws, the size threshold lifted (tma=True); a spy checks that it is the kernel that ran."""
-    from kernels import flash
-
-    ran = []
-    real = flash._forward_gluon
-    monkeypatch.setattr(flash, "_forward_gluon", lambda *a: ran.append(1) or real(*a))
+    ran = _spy(monkeypatch, "_forward_gluon")
     q, k, v, causal, scale, kvl = make(GLUON_CASES[name], dtype, "cuda")
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
     assert ran
@@ -514,23 +510,34 @@ def test_gpu_gluon_causal_grid_orders(heads_per_group, monkeypatch, poisoned_emp
 def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(causal, monkeypatch):
     """flash-attn's (B, N, H, D) layout read in place, through the automatic choice (N >= 2048);
     each batch element's answer is its answer alone, bit for bit."""
-    from kernels import flash
-
-    ran = []
-    real = flash._forward_gluon
-    monkeypatch.setattr(flash, "_forward_gluon", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    ran = _spy(monkeypatch, "_forward_gluon")
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(3, 2100, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
     k, v = (torch.randn(3, 2300, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
             for _ in range(2))
-    kvl = torch.tensor([2300, 2048, 7], device="cuda", dtype=torch.int32)
-    o, lse = flash_forward(q, k, v, causal=causal, scale=0.09, kv_lengths=kvl)
-    check_against_reference(o, lse, q, k, v, causal, 0.09, kvl, abs_slack=2e-3)
-    for i in range(3):
-        o_i, lse_i = flash_forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=causal, scale=0.09,
-                                   kv_lengths=kvl[i : i + 1])
-        assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
+    _batch_equals_each_alone(q, k, v, causal, 0.09, torch.tensor([2300, 2048, 7], device="cuda", dtype=torch.int32))
     assert ran == [3, 1, 1, 1]
+
+
+def _spy(monkeypatch, launcher: str) -> list[int]:
+    """The batch size of each call of ``flash.<launcher>`` (one whose first argument is q): which
+    kernel served a call."""
+    from kernels import flash
+
+    ran = []
+    real = getattr(flash, launcher)
+    monkeypatch.setattr(flash, launcher, lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    return ran
+
+
+def _batch_equals_each_alone(q, k, v, causal, scale, kv_lengths):
+    """The batch against float64, then each element alone: bit for bit its slice of the batch."""
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+    check_against_reference(o, lse, q, k, v, causal, scale, kv_lengths, abs_slack=2e-3)
+    for i in range(q.shape[0]):
+        o_i, lse_i = flash_forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=causal, scale=scale,
+                                   kv_lengths=kv_lengths[i : i + 1])
+        assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
 
 
 # ---- the Gluon decode kernel (attn_decode): split-KV, K/V by TMA
@@ -543,17 +550,8 @@ DECODE_CASES = {
     "causal_nq_gt_nk": (1, 4, 1, 16, 10, 128, True, None),         # 4 heads x 16 rows, unsplit: rows 0..5 see no key
     "packed_unsplit": (2, 16, 2, 2, 300, 128, False, [300, 65]),   # Nk < 512: packed, one split, o itself
     "mqa_d64": (1, 16, 1, 1, 9000, 64, False, None),               # D 64, ragged last block
-    "gqa_causal_short": (2, 8, 2, 8, 7, 64, True, None),           # rows 0..0 see no key: o = 0, lse = -inf
+    "gqa_causal_short": (2, 8, 2, 8, 7, 64, True, None),           # row 0 sees no key: o = 0, lse = -inf
 }
-
-
-def _decode_spy(monkeypatch):
-    from kernels import flash
-
-    ran = []
-    real = flash._forward_decode
-    monkeypatch.setattr(flash, "_forward_decode", lambda *a: ran.append(a[-2:]) or real(*a))
-    return ran
 
 
 @pytest.mark.gpu
@@ -562,7 +560,7 @@ def _decode_spy(monkeypatch):
 @pytest.mark.parametrize("name", sorted(DECODE_CASES))
 def test_gpu_decode_kernel(name, dtype, poisoned_empty, monkeypatch):
     """attn_decode where flash.plan packs or splits; a spy checks that it is the kernel that ran."""
-    ran = _decode_spy(monkeypatch)
+    ran = _spy(monkeypatch, "_forward_decode")
     q, k, v, causal, scale, kvl = make(DECODE_CASES[name], dtype, "cuda")
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
     assert ran, "attn_decode did not serve this case"
@@ -575,7 +573,7 @@ def test_gpu_decode_kernel(name, dtype, poisoned_empty, monkeypatch):
 def test_gpu_decode_split_counts_and_phases(splits, monkeypatch, poisoned_empty):
     """One split runs 147 key blocks through the stages (their phases wrap many times); 64 asked
     give 37 splits of 256 keys, the last 25 empty for the short batch row."""
-    ran = _decode_spy(monkeypatch)
+    ran = _spy(monkeypatch, "_forward_decode")
     q, k, v, causal, scale, kvl = make((2, 8, 2, 1, 9400, 128, False, [9400, 3000]), torch.bfloat16, "cuda")
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=splits)
     assert ran
@@ -587,19 +585,13 @@ def test_gpu_decode_split_counts_and_phases(splits, monkeypatch, poisoned_empty)
 def test_gpu_decode_kernel_reads_strided_inputs_and_batches_bit_for_bit(monkeypatch):
     """q, k, v in flash-attn's (B, N, H, D) layout, read in place; each batch element's answer is
     its answer alone, bit for bit."""
-    ran = _decode_spy(monkeypatch)
+    ran = _spy(monkeypatch, "_forward_decode")
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(3, 2, 32, 128, device="cuda", generator=g, dtype=torch.float16).transpose(1, 2)
     k, v = (torch.randn(3, 6000, 8, 128, device="cuda", generator=g, dtype=torch.float16).transpose(1, 2)
             for _ in range(2))
-    kvl = torch.tensor([6000, 4097, 5], device="cuda", dtype=torch.int32)
-    o, lse = flash_forward(q, k, v, causal=True, scale=0.1, kv_lengths=kvl)
-    check_against_reference(o, lse, q, k, v, True, 0.1, kvl, abs_slack=2e-3)
-    for i in range(3):
-        o_i, lse_i = flash_forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], causal=True, scale=0.1,
-                                   kv_lengths=kvl[i : i + 1])
-        assert torch.equal(o[i : i + 1], o_i) and torch.equal(lse[i : i + 1], lse_i)
-    assert len(ran) == 4
+    _batch_equals_each_alone(q, k, v, True, 0.1, torch.tensor([6000, 4097, 5], device="cuda", dtype=torch.int32))
+    assert ran == [3, 1, 1, 1]
 
 
 @pytest.mark.gpu
