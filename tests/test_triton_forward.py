@@ -297,7 +297,7 @@ print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.
                                                  ("fp16", 64, 16, True)])
 def test_decode_kernel_compiles_for_hopper(dtype, d, pack, causal, tmp_path):
     """attn_decode compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``; two programs'
-    shared memory must fit an SM, so that one's start overlaps the other's stream."""
+    shared memory must fit an SM, as ``flash._forward_decode`` launches two an SM."""
     shared, has_ops = _compile_for_sm90(_DECODE_COMPILE, [dtype, str(d), str(pack), str(int(causal))], tmp_path)
     assert has_ops == "True", "expected wgmma and 4-D TMA copies in the PTX"
     assert 2 * (int(shared) + 1024) <= 228 * 1024  # two blocks an SM, each with 1 KiB the system reserves
@@ -578,6 +578,45 @@ def test_gpu_decode_split_counts_and_phases(splits, monkeypatch, poisoned_empty)
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=splits)
     assert ran
     check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_decode_merge_after_merge_and_in_graphs(monkeypatch):
+    """Split partials in room kept per stream: launch after launch (64, 1, 7 splits, twice) answers
+    the same, bit for bit, and as the float64 reference. A decode captured in a CUDA graph
+    (partials in room of the graph's own) answers new inputs as an eager call does."""
+    from kernels import flash
+
+    ran = _spy(monkeypatch, "_forward_decode")
+    merged = []
+    real_combine = flash.combine
+    monkeypatch.setattr(flash, "combine", lambda *a: merged.append(a[0].data_ptr()) or real_combine(*a))
+    q, k, v, causal, scale, kvl = make((5, 8, 2, 1, 9400, 128, False, [9400, 3000, 0, 256, 9399]),
+                                       torch.bfloat16, "cuda")
+    runs = [flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=s) for s in (64, 1, 7) * 2]
+    assert len(ran) == 6 and len(merged) == 4 and len(set(merged)) == 1, "one room, kept"
+    for (o, lse), (o2, lse2) in zip(runs[:3], runs[3:], strict=True):
+        check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    assert merged[5] not in merged[:5], "the graph's partials must be its own"
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, o) and torch.equal(lse_g, lse)
+    check_against_reference(o_g, lse_g, q, k, v, causal, scale, kvl, abs_slack=2e-3)
 
 
 @pytest.mark.gpu
