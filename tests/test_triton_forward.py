@@ -297,7 +297,7 @@ print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.
                                                  ("fp16", 64, 16, True)])
 def test_decode_kernel_compiles_for_hopper(dtype, d, pack, causal, tmp_path):
     """attn_decode compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``; two programs'
-    shared memory must fit an SM, as ``flash._forward_decode`` launches two an SM."""
+    shared memory must fit an SM, so that one's start overlaps the other's stream."""
     shared, has_ops = _compile_for_sm90(_DECODE_COMPILE, [dtype, str(d), str(pack), str(int(causal))], tmp_path)
     assert has_ops == "True", "expected wgmma and 4-D TMA copies in the PTX"
     assert 2 * (int(shared) + 1024) <= 228 * 1024  # two blocks an SM, each with 1 KiB the system reserves
