@@ -411,29 +411,6 @@ DECODE_BLOCK_N = {64: 128, 128: 64}
 DECODE_STAGES = 2
 
 
-# per (device, stream): room for split partials, o then lse, fp32
-_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_WORKSPACE_KEPT_BYTES = 64 << 20  # larger partials are allocated per call, and freed with it
-
-
-def _split_workspace(device: torch.device, n_o: int, n_lse: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat fp32 room for n_o and n_lse partial values of a split launch and its merge.
-
-    Kept per stream: launches on one stream never overlap, and two allocations cost an eager
-    B = 1 decode ~5-10 us of host time on the H200's host. Under CUDA graph capture, buffers of the
-    graph's own, so that two graphs replayed at once share none."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing() or 4 * n_o > _WORKSPACE_KEPT_BYTES:
-        return (torch.empty(n_o, dtype=torch.float32, device=device),
-                torch.empty(n_lse, dtype=torch.float32, device=device))
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
-    ws = _workspaces.get(key)
-    if ws is None or ws[0].numel() < n_o or ws[1].numel() < n_lse:
-        old = (0, 0) if ws is None else (ws[0].numel(), ws[1].numel())
-        ws = _workspaces[key] = (torch.empty(max(n_o, old[0]), dtype=torch.float32, device=device),
-                                 torch.empty(max(n_lse, old[1]), dtype=torch.float32, device=device))
-    return ws
-
-
 def _forward_decode(q, k, v, descs, out, kv_len, has_kv_len: bool, scale: float, causal: bool,
                     pack: int, splits: int, kps: int) -> None:
     """attn_decode with ``decode_descriptors``' descs into out = (o, lse, their strides with a
@@ -507,9 +484,9 @@ def flash_forward(
     if splits == 1:  # o and lse themselves, as one split (a split stride of 0)
         out = (o, lse, (0, *o.stride()), (0, *lse.stride()))
     else:
-        rows = b * hq * n_q
-        o_part, lse_part = _split_workspace(dev, splits * rows * d, splits * rows)
-        out = (o_part, lse_part, (rows * d, hq * n_q * d, n_q * d, d, 1), (rows, hq * n_q, n_q, 1))
+        o_part = torch.empty(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
+        out = (o_part, lse_part, o_part.stride(), lse_part.stride())
     descs = decode_descriptors(q, k, v, pack, splits) if tma is not False and gluon else None
     if descs is not None:
         _forward_decode(q, k, v, descs, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
@@ -518,7 +495,7 @@ def flash_forward(
             raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
         _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
     if splits > 1:
-        combine(o_part, lse_part, o, lse, splits)
+        combine(o_part, lse_part, o, lse)
     return o, lse
 
 
@@ -561,15 +538,15 @@ def merge_rows_per_program(hq: int, n_q: int, d: int, device: torch.device) -> i
     return 1 if hq * n_q <= 16 * _num_sms(device) else max(1, min(8, 4096 // block_d(d)))
 
 
-def combine(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, splits: int) -> None:
-    """Merge per-split partials, o_part (S, B, Hq, Nq, D) and lse_part (S, B, Hq, Nq) fp32 and
-    contiguous (or flat, with room for as many), into o (B, Hq, Nq, D) and lse (B, Hq, Nq)."""
-    b, hq, n_q, d = o.shape
+def combine(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge per-split partials o_part (S, B, Hq, Nq, D) fp32 and lse_part (S, B, Hq, Nq) into o, lse."""
+    s, b, hq, n_q, d = o_part.shape
     r = b * hq * n_q
+    bd = block_d(d)
     rows = merge_rows_per_program(hq, n_q, d, o.device)
     launch_plain(
-        kern.attn_combine, (_cdiv(r, rows),), (o_part, lse_part, o, lse, *o.stride(), splits, r, hq, n_q),
-        dict(D=d, BLOCK_D=block_d(d), BLOCK_S=_next_pow2(splits), RB=rows), num_warps=4,
+        kern.attn_combine, (_cdiv(r, rows),), (o_part, lse_part, o, lse, *o.stride(), s, r, hq, n_q),
+        dict(D=d, BLOCK_D=bd, BLOCK_S=_next_pow2(s), RB=rows), num_warps=4,
     )
 
 

@@ -64,5 +64,5 @@ def flash_v1_forward(
     launch(kern.flash_v1_fwd_tuned, lambda cfg: (b * hq, splits), args, meta, q)
     o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
-    combine(o_part, m_part, o, lse, splits)
+    combine(o_part, m_part, o, lse)
     return o, lse

@@ -66,7 +66,7 @@ def test_merge_row_tile_does_not_depend_on_batch(monkeypatch, hq, n_q):
     monkeypatch.setattr(flash, "launch_plain", lambda fn, grid, args, consts, **kw: tiles.add(consts["RB"]))
     for b in (1, 3, 100):
         parts = torch.empty(4, b, hq, n_q, 128), torch.empty(4, b, hq, n_q)
-        flash.combine(*parts, torch.empty(b, hq, n_q, 128), torch.empty(b, hq, n_q), 4)
+        flash.combine(*parts, torch.empty(b, hq, n_q, 128), torch.empty(b, hq, n_q))
     assert len(tiles) == 1
 
 

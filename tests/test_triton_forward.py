@@ -582,20 +582,14 @@ def test_gpu_decode_split_counts_and_phases(splits, monkeypatch, poisoned_empty)
 
 @pytest.mark.gpu
 @needs_hopper
-def test_gpu_decode_merge_after_merge_and_in_graphs(monkeypatch):
-    """Split partials in room kept per stream: launch after launch (64, 1, 7 splits, twice) answers
-    the same, bit for bit, and as the float64 reference. A decode captured in a CUDA graph
-    (partials in room of the graph's own) answers new inputs as an eager call does."""
-    from kernels import flash
-
+def test_gpu_decode_again_and_in_a_graph(monkeypatch):
+    """Launch after launch (64, 1, 7 splits, twice) answers the same, bit for bit, and as the
+    float64 reference; a decode captured in a CUDA graph answers new inputs as an eager call does."""
     ran = _spy(monkeypatch, "_forward_decode")
-    merged = []
-    real_combine = flash.combine
-    monkeypatch.setattr(flash, "combine", lambda *a: merged.append(a[0].data_ptr()) or real_combine(*a))
     q, k, v, causal, scale, kvl = make((5, 8, 2, 1, 9400, 128, False, [9400, 3000, 0, 256, 9399]),
                                        torch.bfloat16, "cuda")
     runs = [flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, num_splits=s) for s in (64, 1, 7) * 2]
-    assert len(ran) == 6 and len(merged) == 4 and len(set(merged)) == 1, "one room, kept"
+    assert len(ran) == 6
     for (o, lse), (o2, lse2) in zip(runs[:3], runs[3:], strict=True):
         check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
         assert torch.equal(o, o2) and torch.equal(lse, lse2)
@@ -608,7 +602,6 @@ def test_gpu_decode_merge_after_merge_and_in_graphs(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o_g, lse_g = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
-    assert merged[5] not in merged[:5], "the graph's partials must be its own"
     for _ in range(2):
         for t in (q, k, v):
             t.copy_(torch.randn_like(t))
