@@ -583,7 +583,7 @@ def test_gpu_decode_split_counts_and_phases(splits, monkeypatch, poisoned_empty)
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_decode_again_and_in_a_graph(monkeypatch):
-    """Launch after launch (64, 1, 7 splits, twice) answers the same, bit for bit, and as the
+    """Launch after launch (37, 1, 7 splits, twice) answers the same, bit for bit, and as the
     float64 reference; a decode captured in a CUDA graph answers new inputs as an eager call does."""
     ran = _spy(monkeypatch, "_forward_decode")
     q, k, v, causal, scale, kvl = make((5, 8, 2, 1, 9400, 128, False, [9400, 3000, 0, 256, 9399]),
