@@ -464,8 +464,9 @@ class _DecodeRecipe:
     """Everything of an ``attn_decode`` call (and its merge) that follows from the problem's
     shapes, strides, dtype, device and flags, worked out on its first call: later calls allocate
     the outputs, point two descriptors at the new K and V and launch. Host time of a whole eager
-    decode, one H200 host, same process (2026-12-01): B = 1, 8k keys 63 -> 42 us (FA2 48); B = 16,
-    32k keys 62 -> 43 us (FA2 50); so an eager B = 1 decode no longer waits on the host."""
+    decode, one H200 host, same process (2026-12-01): B = 1, 8k keys 63 -> 42 us (FA2 48); B = 4,
+    Hq 16 / Hkv 2, Nq 2, 300 keys 55 -> 40 us (FA2 72); so an eager B = 1 decode no longer waits
+    on the host."""
 
     __slots__ = ("device", "dtype", "o_shape", "lse_shape", "part_shapes", "n_k", "k_desc", "v_desc",
                  "decode", "decode_static", "kps", "decode_tail", "merge", "merge_grid", "merge_static",
@@ -528,31 +529,36 @@ def _rebased(desc: TensorDescriptor, t: torch.Tensor | None) -> TensorDescriptor
     return new
 
 
-# decode problems -> their _DecodeRecipe, or None where attn_decode does not serve them
-_recipes: dict[tuple, _DecodeRecipe | None] = {}
+# problems -> their _DecodeRecipe or _GluonRecipe, or None where neither Gluon kernel serves them
+_recipes: dict[tuple, _DecodeRecipe | _GluonRecipe | None] = {}
 
 
-def _decode_recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, pack: int, splits: int,
-                   kps: int) -> _DecodeRecipe | None:
-    """The recipe of a problem ``plan`` packs or splits, built on its first call. Keyed on what
-    decides every launch argument but the data: shapes, strides, dtype, device, the flags, and
-    the 16-byte alignment Triton specialises q on and TMA needs of k and v."""
+def _recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, tma: bool | None, pack: int,
+            splits: int, kps: int) -> _DecodeRecipe | _GluonRecipe | None:
+    """The recipe of a problem one of the Gluon kernels serves (``decode_path``, or ``gluon_path``
+    for what ``plan`` neither packs nor splits), built on its first call. Keyed on what decides
+    every launch argument but the data: shapes, strides, dtype, device, the flags, and the 16-byte
+    alignment Triton specialises q on and TMA needs of q, k, v."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
-           kv_lengths is None, num_splits, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+           kv_lengths is None, num_splits, tma, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
     try:
         return _recipes[key]
     except KeyError:
         pass
     recipe = None
-    if decode_path(q, k, v, pack, splits):
-        recipe = _DecodeRecipe(q, k, v, kv_lengths, causal, pack, splits, kps)
+    if pack > 1 or splits > 1:
+        if decode_path(q, k, v, pack, splits):
+            recipe = _DecodeRecipe(q, k, v, kv_lengths, causal, pack, splits, kps)
+    elif gluon_path(q, k, v, causal, pack, splits, sizes=tma is None):
+        recipe = _GluonRecipe(q, k, v, kv_lengths, causal)
     if len(_recipes) >= _COMPILED_MAX:
         _recipes.clear()
     _recipes[key] = recipe
     return recipe
 
 
-def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool) -> None:
+def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool) -> tuple[tuple, tuple, dict]:
+    """(grid, args, constexprs) of attn_fwd_ws writing o and lse."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     rows = kern_gluon.BLOCK_M // 2
@@ -567,8 +573,46 @@ def _forward_gluon(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, caus
     # length and the hardware's scheduler balances them better than a fixed stride (H200, fp16
     # 1x32x16384 causal: 522-527 TFLOP/s against 491-492 persistent; 1x32x1024: 434-441 vs 409-410)
     programs = tiles if causal else min(tiles, _num_sms(q.device))
-    launch_plain(kern_gluon.attn_fwd_ws, (programs,), args,
-                 dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=232), num_warps=4)
+    return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=232)
+
+
+class _GluonRecipe:
+    """``attn_fwd_ws``'s launch worked out on a problem's first call, as ``_DecodeRecipe``'s: later
+    calls allocate o and lse, point four descriptors at q, k, v, o and launch. Host time of one
+    call into an idle H200 (2026-12-01): 1x32x1024x128 79.5 -> 44.8 us (FA2 60.2), 1x32x4096x128
+    causal 99.9 -> 62.5 us (FA2 90.4)."""
+
+    __slots__ = ("device", "dtype", "o_shape", "lse_shape", "n_k", "descs", "launch", "static", "heads", "tail")
+
+    def __init__(self, q, k, v, kv_lengths, causal: bool):
+        b, hq, n_q, d = q.shape
+        self.device, self.dtype, self.n_k = q.device, q.dtype, k.shape[2]
+        self.o_shape, self.lse_shape = (b, hq, n_q, d), (b, hq, n_q)
+        o, lse = self._outputs()
+        kv_len = kv_length_arg(kv_lengths, self.n_k, self.device)
+        grid, args, consts = _gluon_launch(q, k, v, o, lse, kv_len, kv_lengths is not None, 1.0, causal)
+        compiled, self.tail = _compiled_plain(kern_gluon.attn_fwd_ws, grid, args, consts, num_warps=4)
+        self.launch = (compiled, grid)
+        self.descs = tuple(_rebased(desc, None) for desc in args[:4])  # templates: no tensor kept
+        self.static, self.heads = args[6:11], args[12]  # hq .. b·hq, then the causal head groups
+
+    def _outputs(self):
+        return (torch.empty(self.o_shape, dtype=self.dtype, device=self.device),
+                torch.empty(self.lse_shape, dtype=torch.float32, device=self.device))
+
+    def __call__(self, q, k, v, kv_lengths, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = self._outputs()
+        kv_len = kv_length_arg(kv_lengths, self.n_k, self.device)
+        dq, dk, dv, do = self.descs
+        descs = (_rebased(dq, q), _rebased(dk, k), _rebased(dv, v), _rebased(do, o))
+        _forward_gluon(q, descs, lse, kv_len, scale, self)
+        return o, lse
+
+
+def _forward_gluon(q, descs, lse, kv_len, scale: float, recipe: _GluonRecipe) -> None:
+    """attn_fwd_ws as ``recipe`` (and ``_gluon_launch``) says."""
+    compiled, grid = recipe.launch
+    _run(compiled, grid, (*descs, lse, kv_len, *recipe.static, scale * kern.LOG2E, recipe.heads, *recipe.tail))
 
 
 def flash_forward(
@@ -592,16 +636,17 @@ def flash_forward(
     assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
     dev = q.device
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
-    if (pack > 1 or splits > 1) and tma is not False and gluon and not interpreting():
-        recipe = _decode_recipe(q, k, v, kv_lengths, causal, num_splits, pack, splits, kps)
+    # the Gluon kernels: decode (packed or split) or, at D 128 in 16 bits, prefill (a cheap
+    # superset of gluon_path's rules here; _recipe checks them all once per problem)
+    if tma is not False and gluon and not interpreting() and (
+            pack > 1 or splits > 1 or (d == 128 and q.dtype in _16BIT and (
+                tma or min(n_q, n_k) >= (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N)))):
+        recipe = _recipe(q, k, v, kv_lengths, causal, num_splits, tma, pack, splits, kps)
         if recipe is not None:
             return recipe(q, k, v, kv_lengths, scale)
     o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
-    if tma is not False and gluon and gluon_path(q, k, v, causal, pack, splits, sizes=tma is None):
-        _forward_gluon(q, k, v, o, lse, kv_len, kv_lengths is not None, scale, causal)
-        return o, lse
     if tma is not False and tma_path(q, k, v, causal, scale, pack, splits, sizes=tma is None):
         # it builds its tensor descriptors on the device, in scratch from this allocator: a
         # ContextVar, so set in the launching thread (the service launches from worker threads)
@@ -614,7 +659,7 @@ def flash_forward(
         o_part = torch.empty(splits, b, hq, n_q, d, dtype=torch.float32, device=dev)
         lse_part = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
         out = (o_part, lse_part, o_part.stride(), lse_part.stride())
-    if tma:  # attn_decode (above) takes every decode problem that TMA can describe
+    if tma:  # attn_decode and attn_fwd_ws (above) take every problem of theirs TMA can describe
         raise ValueError("tma=True: this problem does not fit the TMA kernel (see tma_path)")
     _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps)
     if splits > 1:

@@ -499,6 +499,7 @@ def test_gpu_gluon_causal_grid_orders(heads_per_group, monkeypatch, poisoned_emp
     q, k, v, causal, scale, kvl = make((2, 8, 2, 2000, 2100, 128, True, [2100, 640]), torch.bfloat16, "cuda")
     want = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
     monkeypatch.setattr(flash, "causal_heads_per_group", lambda k, heads, group: heads_per_group)
+    monkeypatch.setattr(flash, "_recipes", {})  # the problem's kept launch has the real groups
     o, lse = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
     check_against_reference(o, lse, q, k, v, True, scale, kvl, abs_slack=2e-3)
     assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
@@ -614,31 +615,38 @@ def test_gpu_decode_again_and_in_a_graph(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_gpu_decode_recipe_follows_new_tensors(monkeypatch):
-    """A decode's launch recipe is worked out on a problem's first call and kept: later calls of
-    the same shapes must read their own q, k, v and kv_lengths, not the first call's; a view that
+@pytest.mark.parametrize("kind,case", [
+    ("decode", (2, 32, 8, 1, 3000, 128, False, [3000, 1234])),   # attn_decode: packed, 12 splits
+    ("gluon", (2, 8, 2, 300, 520, 128, True, [520, 333])),       # attn_fwd_ws: GQA prefill
+])
+def test_gpu_recipe_follows_new_tensors(kind, case, monkeypatch):
+    """A Gluon kernel's launch recipe is worked out on a problem's first call and kept: later calls
+    of the same shapes must read their own q, k, v and kv_lengths, not the first call's; a view
     TMA cannot describe (k 8 bytes off 16-byte alignment) takes the Triton kernel instead, and the
     aligned problem its recipe again."""
     from kernels import flash
 
-    ran = _spy(monkeypatch, "_forward_decode")
-    case = (2, 32, 8, 1, 3000, 128, False, [3000, 1234])
+    ran = _spy(monkeypatch, "_forward_decode" if kind == "decode" else "_forward_gluon")
+    b, hq, hkv, n_q, n_k = case[:5]
     for seed in range(3):
         q, k, v, causal, scale, kvl = make(case, torch.bfloat16, "cuda", seed=seed)
         kvl = kvl - seed * 100
-        o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
+        o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
         check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
-        fresh = flash._DecodeRecipe(q, k, v, kvl, causal, *flash.plan(2, 32, 8, 1, 3000, q.device))
+        if kind == "decode":
+            fresh = flash._DecodeRecipe(q, k, v, kvl, causal, *flash.plan(b, hq, hkv, n_q, n_k, q.device))
+        else:
+            fresh = flash._GluonRecipe(q, k, v, kvl, causal)
         o2, lse2 = fresh(q, k, v, kvl, scale)
         assert torch.equal(o, o2) and torch.equal(lse, lse2), "a kept recipe answers as a new one"
-    assert ran == [2] * 6
-    wide = torch.randn(2, 8, 3000, 128 + 4, device="cuda", dtype=torch.bfloat16)
+    assert ran == [b] * 6
+    wide = torch.randn(b, hkv, n_k, 128 + 4, device="cuda", dtype=torch.bfloat16)
     k_off = wide[..., 4:]  # strides of a (.., 132) tensor, 8 bytes past a 16-byte boundary
     o, lse = flash_forward(q, k_off, v, causal=causal, scale=scale, kv_lengths=kvl)
     check_against_reference(o, lse, q, k_off, v, causal, scale, kvl, abs_slack=2e-3)
-    assert ran == [2] * 6, "a misaligned k cannot be a TMA descriptor"
-    flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
-    assert ran == [2] * 7
+    assert ran == [b] * 6, "a misaligned k cannot be a TMA descriptor"
+    flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
+    assert ran == [b] * 7
 
 
 @pytest.mark.gpu
