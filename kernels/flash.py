@@ -10,6 +10,12 @@ read in place). Two paths:
   range is split across grid axis 2, each split writes a partial (o, lse) in float32 and
   ``attn_combine`` merges them with their LSE. For GQA with few queries the program's rows are the
   whole group of query heads of one kv head, so each K/V block is read once per kv head.
+
+On a Hopper GPU the Gluon kernels take the 16-bit problems they fit (``attn_fwd_ws``: prefill at
+D 128, ``gluon_path``; ``attn_decode``: packed or split decode, ``decode_path``). Their launches are
+worked out once per problem (``_DecodeRecipe``, ``_GluonRecipe``, keyed in ``_recipe``); every
+cached launch goes straight to Triton's compiled launcher (``_run``). Host time is what an eager
+decode waits on (docs/kernels.md, "Launch cache").
 """
 
 from __future__ import annotations
