@@ -95,20 +95,29 @@ def _grid3(grid: tuple) -> tuple:
 def _run(compiled, grid: tuple, args: tuple) -> None:
     """``compiled[grid](*args)`` (every argument, constexprs included, in signature order) through
     the compiled kernel's own launcher, called directly: ``CompiledKernel.__getitem__``'s runner and
-    ``CudaLauncher.__call__`` build a closure, launch metadata and scratch buffers our kernels never
-    use. Host time of a whole call on an H200 host, same process (2026-12-01): B = 1 decode with 8k
-    keys (two launches) 131 -> 112 us, 1x8x128x64 prefill 35 -> 30 us. Kernels that need global or
-    profile scratch, or a profiler's launch hooks, go the usual way."""
+    ``CudaLauncher.__call__`` build a closure, launch metadata and an allocator lookup on every
+    launch. Host time of a whole call on an H200 host, same process (2026-12-01): B = 1 decode with
+    8k keys (two launches) 131 -> 112 us, 1x8x128x64 prefill 35 -> 30 us. A kernel's global scratch
+    (``attn_fwd_tma``'s device-side tensor descriptors) is allocated here, as Triton's launcher
+    would: 1x32x4096x64 83 -> 78 us, 4x32x2048x64 102 -> 90 us into an idle GPU (FA2 97, 103).
+    Kernels with profile scratch, or a profiler's launch hooks, go the usual way."""
     launcher = compiled.run  # loads the module on first use
     hooks = triton.knobs.runtime
-    if (launcher.global_scratch_size or launcher.profile_scratch_size
+    if (launcher.profile_scratch_size or launcher.global_scratch_align > 512
             or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls):
         compiled[_grid3(grid)](*args)  # a profiler's hooks also want the launch metadata
         return
     gx, gy, gz = _grid3(grid)
     driver = triton.runtime.driver.active
-    launcher.launch(gx, gy, gz, driver.get_current_stream(driver.get_current_device()), compiled.function,
-                    launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+    device = driver.get_current_device()
+    scratch = None
+    if launcher.global_scratch_size:
+        # per program, as CudaLauncher sizes it; torch's allocator aligns blocks to 512 bytes, more
+        # than Triton asks (128 for a descriptor). Freed on return: the stream orders its reuse
+        scratch = torch.empty(gx * gy * gz * launcher.num_ctas * launcher.global_scratch_size,
+                              dtype=torch.int8, device=device)
+    launcher.launch(gx, gy, gz, driver.get_current_stream(device), compiled.function,
+                    launcher.launch_cooperative_grid, launcher.launch_pdl, scratch, None,
                     compiled.packed_metadata, None, None, None, *args)
 
 
@@ -654,7 +663,8 @@ def flash_forward(
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
     if tma is not False and tma_path(q, k, v, causal, scale, pack, splits, sizes=tma is None):
-        # it builds its tensor descriptors on the device, in scratch from this allocator: a
+        # it builds its tensor descriptors on the device, in scratch that _run allocates, or, where
+        # Triton launches it (the interpreter, a profiler's hooks), from this allocator: a
         # ContextVar, so set in the launching thread (the service launches from worker threads)
         triton.set_allocator(_scratch)
         _forward_tma(q, k, v, o, lse, kv_len, kv_lengths is not None, scale)

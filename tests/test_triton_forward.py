@@ -454,6 +454,32 @@ def test_gpu_every_tma_config(d, monkeypatch, poisoned_empty):
     flash._compiled.clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,tma", [
+    ((2, 8, 2, 2100, 2500, 64, False, [2500, 1999]), True),   # attn_fwd_tma: scratch for its descriptors
+    ((2, 4, 2, 97, 97, 64, True, [97, 40]), None),           # attn_fwd
+    ((2, 32, 8, 1, 3000, 128, False, [3000, 1234]), None),   # a split decode and its merge
+])
+def test_gpu_launches_alike_with_a_profiler_hook(case, tma):
+    """Cached launches call Triton's compiled launcher directly (``flash._run``), allocating a
+    kernel's global scratch themselves; with a profiler's launch hook set they go through Triton's
+    own runner, which calls the hook. Both ways must give the same bits."""
+    import triton
+
+    q, k, v, causal, scale, kvl = make(case, torch.bfloat16, "cuda")
+    direct = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=tma)
+    seen = []
+    hook = triton.knobs.runtime.launch_enter_hook
+    hook.add(seen.append)
+    try:
+        hooked = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=tma)
+    finally:
+        hook.remove(seen.append)
+    assert seen, "the hook saw no launch"
+    assert torch.equal(direct[0], hooked[0]) and torch.equal(direct[1], hooked[1])
+    check_against_reference(*direct, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
 GLUON_CASES = {
     "ragged_gqa": (2, 16, 4, 2100, 2500, 128, False, [2500, 1999]),  # last Q and K blocks partial
     "empty_row": (2, 4, 2, 300, 700, 128, False, [0, 650]),           # kv_len 0: o = 0, lse = -inf
