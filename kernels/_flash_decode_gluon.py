@@ -14,7 +14,9 @@ from the copies' depth: more stages or wider blocks were no faster. Host time: ~
 for (docs/benchmarks/kernels.md, thirteenth session).
 
 The online softmax is ``_flash_fwd_kernels.py``'s (base 2, scale folded in); each split stores its
-O normalised by its own l, in fp32, with its lse, or, unsplit, the final o in q's dtype.
+O normalised by its own l, in fp32, with its lse, or, unsplit, the final o in q's dtype. Split, the
+merge is launched as a programmatic dependent: each program lets it be scheduled once its key loop
+is done (``SIGNAL_MERGE``), and the merge waits for the whole grid (``flash._DecodeRecipe``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def attn_decode(
     HAS_KV_LEN: gl.constexpr,
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     STAGES: gl.constexpr,        # K/V blocks in flight per program
+    SIGNAL_MERGE: gl.constexpr,  # let the merge, a programmatic dependent launch, be scheduled
 ):
     """Grid (splits, B·Hq/PACK), 4 warps. PACK·Nq <= 64 rows (``flash.plan`` packs only then)."""
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
@@ -153,6 +156,12 @@ def attn_decode(
         gl.thread_barrier()
         _load(desc_v, v_smem.index(st), v_ready.index(st), b, kvh, start + STAGES * BLOCK_N, refill)
 
+    if SIGNAL_MERGE:
+        # once every program is here the merge's programs may take SMs this grid no longer needs;
+        # they wait (griddepcontrol.wait) for its end. At the kernel's start instead, they sat on
+        # the SMs while splits still ran: 1-5% slower (fourteenth session)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     # a row that saw no key (kv_len 0, an empty split, causal rows above the first key) -> 0, -inf
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 LOG2E = 1.4426950408889634
 
@@ -279,10 +280,13 @@ def attn_combine(
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,       # N_SPLITS padded to a power of two
     RB: tl.constexpr,            # rows per program
+    PDL: tl.constexpr,           # launched as a programmatic dependent of the split kernel
 ):
     """The merge after a split-KV launch, RB rows per program: flash-decoding's reduction
     lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s. All splits of all RB rows are loaded at
     once where the tile fits."""
+    if PDL:  # the split kernel's grid may still run: wait for it to finish and its writes to land
+        gdc_wait()
     r = tl.program_id(0) * RB + tl.arange(0, RB)
     r_ok = r < R
     offs_s = tl.arange(0, BLOCK_S)

@@ -272,7 +272,9 @@ import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
+from triton.compiler import ASTSource
 from kernels import _flash_decode_gluon as kd
+from kernels import _flash_fwd_kernels as kf
 from kernels import flash
 
 dtype, d, pack, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -283,13 +285,25 @@ sig.update(desc_k=mangle_type(flash._descriptor(t, flash.DECODE_BLOCK_N[d])), Q=
            LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
 sig["desc_v"] = sig["desc_k"]
 consts = {}
-for name, value in dict(PACK=pack, HAS_KV_LEN=True, IS_CAUSAL=causal, STAGES=flash.DECODE_STAGES).items():
+for name, value in dict(PACK=pack, HAS_KV_LEN=True, IS_CAUSAL=causal, STAGES=flash.DECODE_STAGES,
+                       SIGNAL_MERGE=True).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 ptx = compiled.asm["ptx"]
-print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor.4d")))
+ops = ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "griddepcontrol.launch_dependents")
+# the merge, launched as its programmatic dependent, waits for it
+fm = kf.attn_combine
+sig = dict.fromkeys(fm.arg_names, "i32")
+sig.update(O_PART="*fp32", LSE_PART="*fp32", O="*" + dtype, LSE="*fp32")
+consts = {}
+for name, value in dict(D=d, BLOCK_D=d, BLOCK_S=16, RB=1, PDL=True).items():
+    sig[name] = "constexpr"
+    consts[(fm.arg_names.index(name),)] = value
+merge = triton.compile(ASTSource(fn=fm, signature=sig, constexprs=consts, attrs={}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(compiled.metadata.shared, all(op in ptx for op in ops) and "griddepcontrol.wait" in merge.asm["ptx"])
 """
 
 
@@ -299,7 +313,7 @@ def test_decode_kernel_compiles_for_hopper(dtype, d, pack, causal, tmp_path):
     """attn_decode compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``; two programs'
     shared memory must fit an SM, so that one's start overlaps the other's stream."""
     shared, has_ops = _compile_for_sm90(_DECODE_COMPILE, [dtype, str(d), str(pack), str(int(causal))], tmp_path)
-    assert has_ops == "True", "expected wgmma and 4-D TMA copies in the PTX"
+    assert has_ops == "True", "expected wgmma, 4-D TMA copies and the merge's launch signal in the PTX"
     assert 2 * (int(shared) + 1024) <= 228 * 1024  # two blocks an SM, each with 1 KiB the system reserves
 
 
@@ -665,6 +679,8 @@ def test_gpu_recipe_follows_new_tensors(kind, case, monkeypatch):
             fresh = flash._GluonRecipe(q, k, v, kvl, causal)
         o2, lse2 = fresh(q, k, v, kvl, scale)
         assert torch.equal(o, o2) and torch.equal(lse, lse2), "a kept recipe answers as a new one"
+        if kind == "decode":
+            assert fresh.merge.metadata.launch_pdl, "the merge: a programmatic dependent of the split kernel"
     assert ran == [b] * 6
     wide = torch.randn(b, hkv, n_k, 128 + 4, device="cuda", dtype=torch.bfloat16)
     k_off = wide[..., 4:]  # strides of a (.., 132) tensor, 8 bytes past a 16-byte boundary
