@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed proto
 
 proto: $(VENV)/.installed
-	$(PY) -m service.protogen
+	$(PY) -m service.grpc.protogen
 
 serve: install
 	$(PY) -m service $(ARGS)

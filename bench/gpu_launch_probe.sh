@@ -9,7 +9,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -m service.protogen >/dev/null
+python3 -m service.grpc.protogen >/dev/null
 probe() {  # $1: label; the rest: VAR=value settings for the server
   local label=$1; shift
   echo "== $label"

@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 T0=$(date +%s); t() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 nvidia-smi -L | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'grpcio', grpc.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m service.protogen >/dev/null
+python3 -m service.grpc.protogen >/dev/null
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 if has tests; then
   t tests

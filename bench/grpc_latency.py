@@ -35,11 +35,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kernels
-from service import codec
-from service.codec import ServerTiming
-from service.grpc_client import GrpcAttentionClient
-from service.grpc_codec import tensor_to_pb
-from service.protogen import attention_stubs, inference_stubs
+from service.client import GrpcAttentionClient
+from service.grpc.codec import tensor_to_pb
+from service.grpc.protogen import attention_stubs, inference_stubs
+from service.wire import tensors as codec
+from service.wire.tensors import ServerTiming
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]

@@ -12,12 +12,12 @@ Rows:
                          p50/p90/p99 and the p50 *added* above the kernel (HTTP + decode + queue + copies).
   ... bare socket        the same call written to and read from a socket directly: without the
                          client library's own time (http.client's ~0.1 ms).
-  small AttentionClient  the same through service.client (tensor packing/unpacking included).
+  small AttentionClient  the same through service.client.http (tensor packing/unpacking included).
   small JSON base64      {"shape","dtype","data": base64} in and out.
   small JSON lists       nested lists in and out (float32 on the wire).
   large safetensors      1x32x8192x128 bf16 (1x8x1024x64 without a GPU): end-to-end GB/s counted as
                          request + response bytes per second of wall time, beside the kernel alone.
-  large AttentionClient  the large call through service.client (torch tensors in and out).
+  large AttentionClient  the large call through service.client.http (torch tensors in and out).
   large JSON base64      the same call as base64 JSON.
 """
 
@@ -42,7 +42,7 @@ import torch
 
 import kernels
 from service.client import AttentionClient
-from service.codec import ServerTiming
+from service.wire.tensors import ServerTiming
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## HTTP transport"

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import kernels
-from service.engine import Engine
+from service.core.engine import Engine
+from service.core.types import AttentionRequest
 from service.settings import load_settings
-from service.types import AttentionRequest
 
 SECTION = "## Engine (in-process)"
 HAS_CUDA = torch.cuda.is_available()

@@ -19,7 +19,7 @@
 #   PIP_*            pip's own variables (PIP_NO_CACHE_DIR, PIP_FIND_LINKS, ...) pass through.
 #
 # Steps: venv -> torch -> the project and its pinned dependencies (pyproject.toml) -> the gRPC stubs
-# (python -m service.protogen, as `make proto`) -> `pip check` -> an import smoke test.
+# (python -m service.grpc.protogen, as `make proto`) -> `pip check` -> an import smoke test.
 set -eu
 
 if [ "$#" -lt 2 ] || [ "$#" -gt 3 ]; then
@@ -57,7 +57,7 @@ echo "==> installing attnserve and its pinned dependencies from $SRC (torch held
 "$VPY" -m pip install --editable "$SRC" "torch==$TORCH_VERSION"
 
 echo "==> generating gRPC stubs"
-(cd "$SRC" && "$VPY" -m service.protogen)
+(cd "$SRC" && "$VPY" -m service.grpc.protogen)
 
 echo "==> checking the environment"
 "$VPY" -m pip check

@@ -63,7 +63,7 @@ if ! "$PY" -c "$need" 2>/dev/null; then
   fi
   "$PY" -c "$need" || { say "missing Python packages (see above); install them or set WHEELS"; exit 2; }
 fi
-"$PY" -m service.protogen --if-stale >>"$LOG" 2>&1
+"$PY" -m service.grpc.protogen --if-stale >>"$LOG" 2>&1
 
 {
   echo "date: $(date -u +%FT%TZ)"; echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?')"

@@ -201,7 +201,7 @@ class GrpcUser(User):
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        from service.protogen import attention_stubs  # generates proto/gen if stale
+        from service.grpc.protogen import attention_stubs  # generates proto/gen if stale
 
         stubs = attention_stubs()
         self.rng = random.Random()

@@ -4,8 +4,8 @@ import sys
 
 from pydantic import ValidationError
 
-from .server import main
-from .settings import build_parser, load_settings
+from service.server import main
+from service.settings import build_parser, load_settings
 
 if __name__ == "__main__":
     try:

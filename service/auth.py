@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hmac
 
-from .errors import Unauthenticated
-from .settings import Settings
+from service.errors import Unauthenticated
+from service.settings import Settings
 
 
 def check_api_key(settings: Settings, authorization: str | None, x_api_key: str | None) -> None:

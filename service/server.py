@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from . import metrics
-from .engine import Engine
-from .http_protocol import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
-from .settings import Settings
+from service.core import metrics
+from service.core.engine import Engine
+from service.http.uvicorn_patch import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
+from service.settings import Settings
 
 log = logging.getLogger("attnserve")
 
@@ -128,7 +128,7 @@ def inherited_listener(fd: int) -> socket.socket:
 
 async def serve(settings: Settings) -> int:
     """Serve until a signal (or a failure); the process exit code."""
-    from .http_app import create_app
+    from service.http.app import create_app
 
     try:
         # under --processes the supervisor bound the port: accept on its socket, shared with the others
@@ -164,7 +164,7 @@ async def serve(settings: Settings) -> int:
     http.capture_signals = contextlib.nullcontext
     grpc_server = None
     if settings.grpc_port:
-        from .grpc_server import create_server
+        from service.grpc.server import create_server
 
         grpc_server = create_server(engine, settings)
 
@@ -207,7 +207,7 @@ async def serve(settings: Settings) -> int:
         await asyncio.gather(start_task, return_exceptions=True)
     await engine.drain()  # not-ready from here; everything accepted is answered
     if grpc_server is not None:
-        from .grpc_server import shutdown
+        from service.grpc.server import shutdown
 
         await shutdown(grpc_server, grace=30)
     http.should_exit = True
@@ -219,7 +219,7 @@ async def serve(settings: Settings) -> int:
 def main(settings: Settings, argv: Sequence[str] = ()) -> None:
     """Serve in this process, or start several (``--processes``, by default one per GPU; ``argv``:
     the command line they are given, with their own devices and the shared HTTP socket)."""
-    from .processes import process_count, supervise
+    from service.processes import process_count, supervise
 
     processes = 1 if settings.http_fd is not None else process_count(settings)
     several = processes > 1 or settings.http_fd is not None

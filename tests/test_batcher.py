@@ -17,9 +17,9 @@ import torch
 
 import kernels
 from service import errors
-from service.engine import Engine
+from service.core.engine import Engine
+from service.core.types import AttentionRequest, LayerRequest
 from service.settings import load_settings
-from service.types import AttentionRequest, LayerRequest
 from tests.conftest import random_qkv
 
 # (B, Hq, Hkv, Nq, Nk, D): awkward sizes, each for a reason.
@@ -596,7 +596,7 @@ class FakeLayer:
 
 def test_layer_calls_batch_and_equal_alone(monkeypatch):
     layer = FakeLayer()
-    monkeypatch.setattr("service.engine._load_layers", lambda settings: {"toy": layer})
+    monkeypatch.setattr("service.core.engine._load_layers", lambda settings: {"toy": layer})
 
     async def main():
         async with started_engine() as engine:
@@ -707,8 +707,8 @@ def test_only_a_request_that_comes_alone_is_answered_at_once(monkeypatch, gate):
     kernel, as a GPU worker that holds a graph would): a request that comes alone to an idle
     server is answered at once; in a burst only the first is, and the rest batch; a request that
     arrives while another is held is queued. Every answer equals its request run alone."""
-    from service.types import AttentionResult
-    from service.worker import Worker
+    from service.core.types import AttentionResult
+    from service.core.worker import Worker
 
     at_once: list[AttentionRequest] = []
     attention = kernels.attention  # not the gate installed below: that one holds the worker's launches

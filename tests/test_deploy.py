@@ -522,7 +522,7 @@ def test_hpa_scales_on_a_metric_the_service_exports_with_cpu_fallback():
     assert kinds["Resource"]["resource"]["name"] == "cpu"
     # The metric must be one the service really exports on /metrics.
     exported = set()
-    for path in (ROOT / "service").glob("*.py"):
+    for path in (ROOT / "service").rglob("*.py"):
         exported |= set(re.findall(r"\"(attnserve_[a-z_]+)\"", path.read_text()))
     assert pods_metric in exported, f"{pods_metric} is not exported by service/ ({sorted(exported)})"
     assert "queue" in pods_metric
@@ -665,7 +665,7 @@ def test_install_script_builds_a_working_venv(tmp_path):
     if gen.is_dir():
         before = {p: p.stat().st_mtime_ns for p in gen.rglob("*") if p.is_file() and p.name != ".lock"}
         assert any(p.name.endswith("_pb2.py") for p in before), "install.sh must generate the gRPC stubs"
-        loaded = run("-c", "from service import protogen as g; [getattr(g, f)() for f in "
+        loaded = run("-c", "from service.grpc import protogen as g; [getattr(g, f)() for f in "
                            "('attention_stubs', 'inference_stubs') if hasattr(g, f)]")
         assert loaded.returncode == 0, loaded.stderr
         after = {p: p.stat().st_mtime_ns for p in gen.rglob("*") if p.is_file() and p.name != ".lock"}

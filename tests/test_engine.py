@@ -15,10 +15,10 @@ from prometheus_client import generate_latest
 
 import kernels
 from service import errors
-from service.engine import Engine
+from service.core.engine import Engine
+from service.core.types import AttentionRequest
+from service.core.worker import parse_shapes, resolve_devices
 from service.settings import load_settings
-from service.types import AttentionRequest
-from service.worker import parse_shapes, resolve_devices
 
 
 @pytest.fixture(autouse=True)
@@ -294,9 +294,9 @@ def test_gpu_request_tensors_in_pinned_memory_go_to_the_device_without_a_staging
     first, and the answer is the one the same tensors in ordinary memory get."""
     from safetensors.torch import save
 
-    from service import worker as worker_mod
-    from service.codec import parse_safetensors
-    from service.http_protocol import BodyBuffers
+    from service.core import worker as worker_mod
+    from service.http.uvicorn_patch import BodyBuffers
+    from service.wire.tensors import parse_safetensors
 
     staged: list[int] = []
     concat = worker_mod._concat
@@ -332,7 +332,7 @@ def test_gpu_request_tensors_in_pinned_memory_go_to_the_device_without_a_staging
 def test_gpu_pinned_body_buffers_are_reused_within_their_budget():
     """``BodyBuffers``: pinned buffers are made off the caller's thread, kept within the budget
     (the heap beyond it), reused once nothing views their body, and let go by ``trim`` when free."""
-    from service.http_protocol import BodyBuffers
+    from service.http.uvicorn_patch import BodyBuffers
 
     bodies = BodyBuffers(pinned=True, budget=3 << 20)
     a = pinned_body(bodies, 2 << 20)
@@ -404,7 +404,7 @@ def test_staging_concat_equals_torch_cat():
     """The worker's staging copy (one memmove per small contiguous part, ATen's copy otherwise)
     equals torch.cat, for a misaligned view of request bytes, a non-contiguous part, a part of
     another dtype (converted), an empty part and one over the memmove size; inputs stay as they were."""
-    from service.worker import SERIAL_COPY_MAX_BYTES, _concat
+    from service.core.worker import SERIAL_COPY_MAX_BYTES, _concat
 
     g = torch.Generator().manual_seed(0)
     raw = bytearray(2 + 2 * 3 * 4 * 8)
@@ -436,7 +436,7 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers(monke
     for 3 graphs, the older shapes' graphs are dropped for the later ones; a request over
     --graph-max-kib never replays."""
     from kernels.reference import reference_attention
-    from service import worker
+    from service.core import worker
 
     monkeypatch.setattr(worker, "GRAPHS_PER_WORKER", 3)
 

@@ -25,11 +25,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from layer_fixtures import write_bert
 
 from kernels.reference import reference_attention
-from service.codec import ServerTiming
-from service.grpc_client import GrpcAttentionClient, GrpcAttentionServiceError
-from service.grpc_codec import deadline_of, tensor_from_pb, tensor_to_pb
+from service.client import GrpcAttentionClient, GrpcAttentionServiceError
+from service.grpc.codec import deadline_of, tensor_from_pb, tensor_to_pb
+from service.grpc.protogen import attention_stubs
 from service.layers import load_layer
-from service.protogen import attention_stubs
+from service.wire.tensors import ServerTiming
 
 stubs = attention_stubs()
 pb, pb_grpc = stubs.attention_pb2, stubs.attention_pb2_grpc

@@ -738,7 +738,7 @@ def test_server_timing_header(http):
 def test_safetensors_answer_is_sent_from_the_tensors_own_memory():
     """An answer goes out as buffers (header, then each tensor's bytes, views of its memory):
     together they are exactly the safetensors file, empty tensors included; the views do not copy."""
-    from service import http_codec as wire
+    from service.http import codec as wire
 
     tensors = {
         "o": torch.randn(2, 3, 5, 8).to(torch.bfloat16),
@@ -760,7 +760,7 @@ def test_a_body_of_many_chunks_arrives_whole(http):
     together in order: a 12 MiB call sent in uneven chunks gives the reference answer."""
     import uvicorn
 
-    from service.http_protocol import UVICORN_HANDING_OVER, hand_over_request_bodies
+    from service.http.uvicorn_patch import UVICORN_HANDING_OVER, hand_over_request_bodies
 
     assert hand_over_request_bodies() is (uvicorn.__version__ == UVICORN_HANDING_OVER)
     q = torch.randn(1, 2, 64, 32)

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from starlette.requests import ClientDisconnect, Request
 
 import kernels
+from service.core.types import AttentionResult
 from service.errors import BadRequest, NotFound, from_kernel_error
-from service.http_app import create_app
-from service.http_codec import read_body
+from service.http.app import create_app
+from service.http.codec import read_body
 from service.settings import Settings
-from service.types import AttentionResult
 
 
 class SmallEngine:

@@ -276,7 +276,7 @@ def test_a_short_statistics_window_is_flagged():
 def test_grpc_body_is_the_request_built_as_a_message(label):
     """The hand-appended v field (payloads.grpc_attend_body) parses to the AttendRequest that
     building it as a message gives, the second call (cached q, k) too."""
-    from service.protogen import attention_stubs
+    from service.grpc.protogen import attention_stubs
 
     pb = attention_stubs().attention_pb2
     shape = payloads.SHAPES[label]

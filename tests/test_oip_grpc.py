@@ -2,7 +2,7 @@
 against a real server: health, metadata, ModelInfer (FP16/BF16/FP32, parameters in each form, layer
 models), ModelStreamInfer, and error statuses.
 
-This module must not import ``service.grpc_oip``: tritonclient registers the same ``inference.*``
+This module must not import ``service.grpc.oip``: tritonclient registers the same ``inference.*``
 messages in protobuf's default descriptor pool.
 """
 

@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from service.grpc_client import GrpcAttentionClient
+from service.client import GrpcAttentionClient
 from service.processes import deal_devices, process_count
 from service.settings import load_settings
 from tests.conftest import run_server
@@ -29,7 +29,7 @@ def test_devices_are_dealt_out():
 def test_default_is_one_process_per_gpu(monkeypatch):
     """--processes 0 (the default): one process per GPU of --device, one on the CPU; a number
     given is kept; a bad --device leaves one process, which then reports it."""
-    import service.worker as worker
+    import service.core.worker as worker
 
     assert load_settings([]).processes == 0
     assert process_count(load_settings(["--device", "cpu"])) == 1
@@ -131,7 +131,7 @@ def test_sampled_gauges_reach_the_shared_metrics(tmp_path):
     from tests.conftest import ROOT
 
     code = (
-        "from service.metrics import Metrics, render\n"
+        "from service.core.metrics import Metrics, render\n"
         "m = Metrics()\n"
         "m.track_queue(lambda: 7, lambda: 9)\n"
         "before = render(m.registry).decode()\n"

@@ -166,7 +166,7 @@ def test_a_body_wakes_the_app_once_per_gathered_piece():
     ``gather_bytes``, however the socket delivers it: uvicorn alone woke the app for every read."""
     import uvicorn
 
-    from service.http_protocol import UVICORN_HANDING_OVER, hand_over_request_bodies, http_protocol
+    from service.http.uvicorn_patch import UVICORN_HANDING_OVER, hand_over_request_bodies, http_protocol
 
     if uvicorn.__version__ != UVICORN_HANDING_OVER:
         assert http_protocol(1 << 20) == "httptools"
@@ -208,7 +208,7 @@ def test_a_big_declared_body_is_read_straight_into_one_buffer():
 
     import uvicorn
 
-    from service.http_protocol import (
+    from service.http.uvicorn_patch import (
         DIRECT_READ_MIN_BYTES,
         UVICORN_HANDING_OVER,
         hand_over_request_bodies,
@@ -372,7 +372,7 @@ def test_body_buffers_without_pinned_memory_use_the_heap(caplog):
 
     import torch
 
-    from service.http_protocol import BodyBuffers
+    from service.http.uvicorn_patch import BodyBuffers
 
     if torch.cuda.is_available():
         pytest.skip("pinning works here")

@@ -16,11 +16,11 @@ from importlib import metadata
 
 import torch
 
-from . import codec
-from .errors import BadRequest, NotFound, ServiceError
-from .grpc_codec import deadline_of, offload, result_bytes, run_concurrently
-from .protogen import inference_stubs
-from .types import AttentionRequest, LayerRequest
+from service.core.types import AttentionRequest, LayerRequest
+from service.errors import BadRequest, NotFound, ServiceError
+from service.grpc.codec import deadline_of, offload, result_bytes, run_concurrently
+from service.grpc.protogen import inference_stubs
+from service.wire import tensors as wire
 
 log = logging.getLogger("attnserve.oip")
 
@@ -90,10 +90,10 @@ def _inputs(request) -> dict[str, torch.Tensor]:
                          "send one per input, or none and typed contents")
     tensors = {}
     for i, inp in enumerate(request.inputs):
-        dtype = codec.dtype_from_name(inp.datatype, codec.OIP_DTYPES)
+        dtype = wire.dtype_from_name(inp.datatype, wire.OIP_DTYPES)
         shape = list(inp.shape)
         if raw:
-            tensors[inp.name] = codec.tensor_from_bytes(raw[i], shape, dtype, name=inp.name)
+            tensors[inp.name] = wire.tensor_from_bytes(raw[i], shape, dtype, name=inp.name)
             continue
         field = _CONTENTS.get(dtype)
         if field is None:
@@ -122,8 +122,8 @@ def _take(tensors: dict, model: str, required: tuple[str, ...], optional: tuple[
 def _response(request, outputs: dict[str, torch.Tensor]):
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=VERSION, id=request.id)
     for name, t in outputs.items():
-        response.outputs.add(name=name, datatype=codec.OIP_NAMES[t.dtype], shape=list(t.shape))
-        response.raw_output_contents.append(codec.tensor_to_bytes(t))
+        response.outputs.add(name=name, datatype=wire.OIP_NAMES[t.dtype], shape=list(t.shape))
+        response.raw_output_contents.append(wire.tensor_to_bytes(t))
     return response
 
 
@@ -179,7 +179,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                  T(name="lse", datatype="FP32", shape=[ANY] * 3)])
             return meta
         info = self._layers()[request.name]
-        dtype = codec.OIP_NAMES.get(info.dtype, "FP32")
+        dtype = wire.OIP_NAMES.get(info.dtype, "FP32")
         meta.inputs.extend([T(name="x", datatype=dtype, shape=[ANY, ANY, info.hidden_size]),
                             T(name="positions", datatype="INT64", shape=[ANY, ANY]),
                             T(name="kv_lengths", datatype="INT32", shape=[ANY])])

@@ -1,4 +1,4 @@
-"""Generate the gRPC stubs from ``proto/`` and load them: ``make proto`` = ``python -m service.protogen``.
+"""Generate the gRPC stubs from ``proto/`` and load them: ``make proto`` = ``python -m service.grpc.protogen``.
 
 The stubs are build output (git-ignored ``proto/gen/``), never edited by hand. They are produced by
 ``grpc_tools.protoc`` (grpcio-tools, pinned to the grpcio runtime's version) from
@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 log = logging.getLogger("attnserve.protogen")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: proto/ lies beside service/
 PROTO_DIR = ROOT / "proto"
 GEN_DIR = PROTO_DIR / "gen"
 STAMP = GEN_DIR / "STAMP.json"
@@ -114,7 +114,7 @@ def ensure_stubs() -> None:
         except Exception as exc:
             raise RuntimeError(
                 f"the gRPC stubs in {GEN_DIR} are missing or older than proto/ and could not be "
-                f"regenerated ({exc}); run `make proto` (python -m service.protogen)"
+                f"regenerated ({exc}); run `make proto` (python -m service.grpc.protogen)"
             ) from exc
     _check_runtime()
     if str(GEN_DIR) not in sys.path:

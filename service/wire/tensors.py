@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import torch
 
-from .errors import BadRequest, PayloadTooLarge
+from service.errors import BadRequest, PayloadTooLarge
 
 if TYPE_CHECKING:
-    from .types import Stamps
+    from service.core.types import Stamps
 
 # native API (JSON "dtype", safetensors, attention.v1 DType enum names lower-cased)
 DTYPES: dict[str, torch.dtype] = {

@@ -12,16 +12,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
 
-from . import codec
-from .errors import BadRequest, InvalidInput
-from .protogen import attention_stubs
-from .types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
+from service.core.types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
+from service.errors import BadRequest, InvalidInput
+from service.grpc.protogen import attention_stubs
+from service.wire import tensors
 
 pb = attention_stubs().attention_pb2
 
-# DType enum number <-> torch dtype (the enum's names are codec.DTYPES' keys, upper-cased)
+# DType enum number <-> torch dtype (the enum's names are tensors.DTYPES' keys, upper-cased)
 DTYPE_OF_ENUM: dict[int, torch.dtype] = {
-    v.number: codec.DTYPES[v.name.lower()] for v in pb.DType.DESCRIPTOR.values if v.number
+    v.number: tensors.DTYPES[v.name.lower()] for v in pb.DType.DESCRIPTOR.values if v.number
 }
 ENUM_OF_DTYPE: dict[torch.dtype, int] = {d: n for n, d in DTYPE_OF_ENUM.items()}
 
@@ -36,19 +36,19 @@ def tensor_from_pb(parent, field: str, *, required: bool = True) -> torch.Tensor
     if msg.dtype not in DTYPE_OF_ENUM:
         raise BadRequest(f"{field}: dtype {msg.dtype} is not set or unknown; use one of "
                          f"{', '.join(pb.DType.Name(n) for n in DTYPE_OF_ENUM)}")
-    return codec.tensor_from_bytes(msg.data, list(msg.shape), DTYPE_OF_ENUM[msg.dtype], name=field)
+    return tensors.tensor_from_bytes(msg.data, list(msg.shape), DTYPE_OF_ENUM[msg.dtype], name=field)
 
 
 def tensor_to_pb(t: torch.Tensor):
     """A torch tensor -> attention.v1.Tensor (little-endian, row-major)."""
     if t.dtype not in ENUM_OF_DTYPE:
         raise InvalidInput(f"dtype {t.dtype} cannot travel as an attention.v1.Tensor")
-    return pb.Tensor(shape=list(t.shape), dtype=ENUM_OF_DTYPE[t.dtype], data=codec.tensor_to_bytes(t))
+    return pb.Tensor(shape=list(t.shape), dtype=ENUM_OF_DTYPE[t.dtype], data=tensors.tensor_to_bytes(t))
 
 
 def dtype_to_pb(dtype: torch.dtype | str) -> int:
     if isinstance(dtype, str):
-        dtype = codec.DTYPES.get(dtype.removeprefix("torch."), dtype)
+        dtype = tensors.DTYPES.get(dtype.removeprefix("torch."), dtype)
     return ENUM_OF_DTYPE.get(dtype, pb.DTYPE_UNSPECIFIED)
 
 

@@ -48,11 +48,11 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import DeadlineExceeded, QueueFull, ServiceError, Unavailable
-from .metrics import Metrics
-from .settings import Settings
-from .types import AttentionRequest, LayerRequest
-from .worker import Worker
+from service.core.metrics import Metrics
+from service.core.types import AttentionRequest, LayerRequest
+from service.core.worker import Worker
+from service.errors import DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.settings import Settings
 
 log = logging.getLogger("attnserve.batcher")
 

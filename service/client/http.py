@@ -23,8 +23,8 @@ import orjson
 import torch
 import urllib3
 
-from .codec import parse_safetensors, safetensors_parts, uninitialized_bytearray
-from .errors import ServiceError
+from service.errors import ServiceError
+from service.wire.tensors import parse_safetensors, safetensors_parts, uninitialized_bytearray
 
 SAFETENSORS = "application/x-safetensors"
 

@@ -34,12 +34,11 @@ from typing import Any
 import torch
 
 import kernels
-
-from .codec import FLOAT_DTYPES
-from .errors import DeadlineExceeded, InvalidInput, ServiceError, Unavailable, from_kernel_error
-from .metrics import Metrics
-from .settings import Settings
-from .types import AttentionRequest, AttentionResult, LayerRequest, LayerResult, Stamps
+from service.core.metrics import Metrics
+from service.core.types import AttentionRequest, AttentionResult, LayerRequest, LayerResult, Stamps
+from service.errors import DeadlineExceeded, InvalidInput, ServiceError, Unavailable, from_kernel_error
+from service.settings import Settings
+from service.wire.tensors import FLOAT_DTYPES
 
 log = logging.getLogger("attnserve.worker")
 

@@ -26,12 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import http_codec as wire
-from .auth import check_api_key
-from .codec import DTYPE_NAMES, ServerTiming
-from .errors import BadRequest, ServiceError, Unavailable
-from .metrics import render as render_metrics
-from .settings import Settings
+from service.auth import check_api_key
+from service.core.metrics import render as render_metrics
+from service.errors import BadRequest, ServiceError, Unavailable
+from service.http import codec
+from service.settings import Settings
+from service.wire.tensors import DTYPE_NAMES, ServerTiming
 
 log = logging.getLogger("attnserve.http")
 
@@ -407,8 +407,8 @@ def layer_info_dict(info: Any) -> dict[str, Any]:
 
 
 def create_app(engine: Any, settings: Settings) -> FastAPI:
-    """The FastAPI app over ``engine`` (see ``service.engine`` for its interface)."""
-    from .http_oip import create_router
+    """The FastAPI app over ``engine`` (see ``service.core.engine`` for its interface)."""
+    from service.http.oip import create_router
 
     app = FastAPI(title="attnserve", version=VERSION, summary="Exact attention as a service (API.md)")
     metrics = HttpMetrics()
@@ -418,28 +418,28 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
 
     def begin(request: Request) -> tuple[str, float, float]:
         arrived = time.monotonic()
-        deadline = wire.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived)
+        deadline = codec.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived)
         return request.state.request_id, deadline, arrived
 
     async def read(request: Request) -> tuple[bytearray, str]:
-        mtype = wire.media_type(request)
-        if mtype not in (wire.SAFETENSORS, wire.JSON):
-            raise wire.UnsupportedMediaType(
-                f"unsupported Content-Type {mtype or '(none)'!r}; send {wire.SAFETENSORS} or {wire.JSON}"
+        mtype = codec.media_type(request)
+        if mtype not in (codec.SAFETENSORS, codec.JSON):
+            raise codec.UnsupportedMediaType(
+                f"unsupported Content-Type {mtype or '(none)'!r}; send {codec.SAFETENSORS} or {codec.JSON}"
             )
-        if mtype == wire.SAFETENSORS:
-            return await wire.read_body(request, limit), mtype
-        return await wire.read_body(request, json_limit, "--max-json-mb"), mtype
+        if mtype == codec.SAFETENSORS:
+            return await codec.read_body(request, limit), mtype
+        return await codec.read_body(request, json_limit, "--max-json-mb"), mtype
 
     async def attention(request: Request) -> Response:
         request_id, deadline, arrived = begin(request)
         timing = ServerTiming()
         body, mtype = await read(request)
         timing.mark("read")
-        big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
-        req, encoding = await wire.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
+        big = codec.worth_offloading(len(body), len(body) if mtype == codec.JSON else 0)
+        req, encoding = await codec.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
             big,
-            lambda: wire.decode_attention(
+            lambda: codec.decode_attention(
                 body, mtype, request.query_params, request_id=request_id, deadline=deadline, arrived=arrived
             ),
         )
@@ -447,9 +447,9 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         result = await engine.attend(req)
         timing.engine(result.stamps)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
-        content, media = await wire.encode_answer(tensors, encoding, big)
+        content, media = await codec.encode_answer(tensors, encoding, big)
         timing.mark("encode")
-        return wire.respond(content, media, {"Server-Timing": timing.value()})
+        return codec.respond(content, media, {"Server-Timing": timing.value()})
 
     app.router.add_api_route(  # the hot path: a DirectRoute
         "/attention",
@@ -476,10 +476,10 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         timing = ServerTiming()
         body, mtype = await read(request)
         timing.mark("read")
-        big = wire.worth_offloading(len(body), len(body) if mtype == wire.JSON else 0)
-        req, encoding = await wire.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
+        big = codec.worth_offloading(len(body), len(body) if mtype == codec.JSON else 0)
+        req, encoding = await codec.offload(  # a heavy body off the loop (JSON, misaligned safetensors copies)
             big,
-            lambda: wire.decode_layer(
+            lambda: codec.decode_layer(
                 name,
                 body,
                 mtype,
@@ -492,9 +492,9 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         timing.mark("decode")
         result = await engine.call_layer(req)
         timing.engine(result.stamps)
-        content, media = await wire.encode_answer({"y": result.y}, encoding, big)
+        content, media = await codec.encode_answer({"y": result.y}, encoding, big)
         timing.mark("encode")
-        return wire.respond(content, media, {"Server-Timing": timing.value()})
+        return codec.respond(content, media, {"Server-Timing": timing.value()})
 
     @app.get("/healthz", summary="alive (the process answers)")
     async def healthz() -> dict:

@@ -29,13 +29,10 @@ import time
 from typing import Any
 
 import kernels
-
-from .batcher import Batcher, Pending
-from .errors import BadRequest, NotFound, PayloadTooLarge, ServiceError, Unavailable, from_kernel_error
-from .metrics import Metrics
-from .settings import Settings
-from .types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
-from .worker import (
+from service.core.batcher import Batcher, Pending
+from service.core.metrics import Metrics
+from service.core.types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
+from service.core.worker import (
     Worker,
     attention_memory,
     layer_memory,
@@ -44,6 +41,8 @@ from .worker import (
     release_pinned_memory,
     resolve_devices,
 )
+from service.errors import BadRequest, NotFound, PayloadTooLarge, ServiceError, Unavailable, from_kernel_error
+from service.settings import Settings
 
 log = logging.getLogger("attnserve.engine")
 
@@ -52,7 +51,7 @@ def _load_layers(settings: Settings) -> dict[str, Any]:
     """The model layers of ``--layer`` (service/layers.py)."""
     if not settings.layer:
         return {}
-    from . import layers
+    from service import layers
 
     return layers.load_layers(settings)
 

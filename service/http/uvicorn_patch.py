@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
-from .codec import uninitialized_bytearray
+from service.wire.tensors import uninitialized_bytearray
 
 log = logging.getLogger("attnserve.http")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import BadRequest, InvalidInput
+from service.errors import BadRequest, InvalidInput
 
 LAYOUTS = ("bhnd", "bnhd")
 

@@ -18,11 +18,19 @@ import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from . import http_codec as wire
-from .codec import OIP_DTYPES, OIP_NAMES, aligned, check_shape, dtype_from_name, tensor_from_bytes, tensor_parts
-from .errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
-from .settings import Settings
-from .types import AttentionRequest, LayerRequest
+from service.core.types import AttentionRequest, LayerRequest
+from service.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
+from service.http import codec
+from service.settings import Settings
+from service.wire.tensors import (
+    OIP_DTYPES,
+    OIP_NAMES,
+    aligned,
+    check_shape,
+    dtype_from_name,
+    tensor_from_bytes,
+    tensor_parts,
+)
 
 ATTENTION = "attention"
 HEADER_LENGTH = "inference-header-content-length"
@@ -135,7 +143,7 @@ def _split_body(body: bytearray, header_length: str | None, json_limit: int) -> 
             f"the JSON part of the request is {n / 2**20:.1f} MiB, over the limit of {json_limit / 2**20:g} MiB "
             "(--max-json-mb); send large tensors as binary tensor data"
         )
-    doc = wire.parse_json(view[:n])
+    doc = codec.parse_json(view[:n])
     if not isinstance(doc, dict):
         raise BadRequest('the inference request must be a JSON object with "inputs"')
     return doc, view[n:]
@@ -175,7 +183,7 @@ def _decode_inputs(doc: dict, binary: memoryview, names: tuple[str, ...]) -> dic
             data = item["data"]
             if not isinstance(data, list):
                 raise BadRequest(f"input {name!r}: data must be a list of numbers")
-            tensors[name], _ = wire.json_tensor({"shape": shape, "data": _flatten(data, name)}, name, dtype)
+            tensors[name], _ = codec.json_tensor({"shape": shape, "data": _flatten(data, name)}, name, dtype)
         else:
             raise BadRequest(f"input {name!r} has neither data nor binary_data_size")
     if offset != len(binary):
@@ -198,7 +206,7 @@ def _outputs_wanted(doc: dict, allowed: tuple[str, ...], default: list[str]) -> 
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequest("parameters must be an object")
-    all_binary = wire.parse_bool("binary_data_output", params.get("binary_data_output", False))
+    all_binary = codec.parse_bool("binary_data_output", params.get("binary_data_output", False))
     outputs = doc.get("outputs")
     if outputs is None:
         return {n: all_binary for n in default}
@@ -214,7 +222,7 @@ def _outputs_wanted(doc: dict, allowed: tuple[str, ...], default: list[str]) -> 
         p = out.get("parameters") or {}
         if not isinstance(p, dict):
             raise BadRequest("output parameters must be an object")
-        wanted[out["name"]] = wire.parse_bool("binary_data", p.get("binary_data", all_binary))
+        wanted[out["name"]] = codec.parse_bool("binary_data", p.get("binary_data", all_binary))
     return wanted
 
 
@@ -228,19 +236,19 @@ def _params(doc: dict, names: tuple[str, ...]) -> dict[str, Any]:
 def decode_attention(
     model_doc: dict, binary: memoryview, *, request_id: str, deadline: float, arrived: float
 ) -> tuple[AttentionRequest, dict[str, bool]]:
-    tensors = _decode_inputs(model_doc, binary, wire.ATTENTION_TENSORS)
+    tensors = _decode_inputs(model_doc, binary, codec.ATTENTION_TENSORS)
     missing = [n for n in ("q", "k", "v") if n not in tensors]
     if missing:
         raise BadRequest(f"missing input{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
-    opts = wire.attention_options(_params(model_doc, ("causal", "scale", "return_lse", "kernel")))
+    opts = codec.attention_options(_params(model_doc, ("causal", "scale", "return_lse", "kernel")))
     wanted = _outputs_wanted(model_doc, ("o", "lse"), ["o", "lse"] if opts.get("return_lse") else ["o"])
     opts["return_lse"] = "lse" in wanted
-    wire.check_dims(tensors, ("q", "k", "v"), 4, "bhnd")
+    codec.check_dims(tensors, ("q", "k", "v"), 4, "bhnd")
     req = AttentionRequest(
         q=tensors["q"],
         k=tensors["k"],
         v=tensors["v"],
-        kv_lengths=wire.kv_lengths_int32(tensors.get("kv_lengths")),
+        kv_lengths=codec.kv_lengths_int32(tensors.get("kv_lengths")),
         request_id=request_id,
         deadline=deadline,
         arrived=arrived,
@@ -252,17 +260,17 @@ def decode_attention(
 def decode_layer(
     model: str, doc: dict, binary: memoryview, *, request_id: str, deadline: float, arrived: float
 ) -> tuple[LayerRequest, dict[str, bool]]:
-    tensors = _decode_inputs(doc, binary, wire.LAYER_TENSORS)
+    tensors = _decode_inputs(doc, binary, codec.LAYER_TENSORS)
     if "x" not in tensors:
         raise BadRequest("missing input x")
     params = _params(doc, ("causal",))
-    causal = wire.parse_bool("causal", params["causal"]) if "causal" in params else False
+    causal = codec.parse_bool("causal", params["causal"]) if "causal" in params else False
     req = LayerRequest(
         layer=model,
         x=tensors["x"],
         causal=causal,
         positions=tensors.get("positions"),
-        kv_lengths=wire.kv_lengths_int32(tensors.get("kv_lengths")),
+        kv_lengths=codec.kv_lengths_int32(tensors.get("kv_lengths")),
         request_id=request_id,
         deadline=deadline,
         arrived=arrived,
@@ -352,34 +360,34 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     @router.post("/models/{model}/versions/{version}/infer", include_in_schema=False, response_class=Response)
     async def infer(model: str, request: Request) -> Response:
         arrived = time.monotonic()
-        deadline = wire.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived)
+        deadline = codec.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived)
         known(model)
         if request.headers.get("content-encoding", "identity").lower() != "identity":
-            raise wire.UnsupportedMediaType("compressed requests are not supported; send them uncompressed")
-        body = await wire.read_body(request, limit)
+            raise codec.UnsupportedMediaType("compressed requests are not supported; send them uncompressed")
+        body = await codec.read_body(request, limit)
         json_bytes = len(body)  # the JSON part: all of it, unless binary tensor data follows it
         with contextlib.suppress(TypeError, ValueError):  # a bad header: _split_body answers it
             json_bytes = min(json_bytes, int(request.headers.get(HEADER_LENGTH)))
-        big = wire.worth_offloading(len(body), json_bytes)
-        doc, binary = await wire.offload(
+        big = codec.worth_offloading(len(body), json_bytes)
+        doc, binary = await codec.offload(
             big, _split_body, body, request.headers.get(HEADER_LENGTH), settings.max_json_bytes
         )
         oip_id = doc.get("id")  # cut to 128 characters, as X-Request-Id is (it reaches logs and messages)
         rid = oip_id[:128] if isinstance(oip_id, str) and oip_id else request.state.request_id
         if model == ATTENTION:
-            req, wanted = await wire.offload(
+            req, wanted = await codec.offload(
                 big, lambda: decode_attention(doc, binary, request_id=rid, deadline=deadline, arrived=arrived)
             )
             result = await engine.attend(req)
             outputs = {"o": result.o, "lse": result.lse}
         else:
-            req, wanted = await wire.offload(
+            req, wanted = await codec.offload(
                 big,
                 lambda: decode_layer(model, doc, binary, request_id=rid, deadline=deadline, arrived=arrived),
             )
             result = await engine.call_layer(req)
             outputs = {"y": result.y}
-        content, headers = await wire.offload(big, encode_response, model, doc, outputs, wanted)
-        return wire.respond(content, None, headers)
+        content, headers = await codec.offload(big, encode_response, model, doc, outputs, wanted)
+        return codec.respond(content, None, headers)
 
     return router

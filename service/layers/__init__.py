@@ -31,9 +31,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 import kernels
-
-from .codec import FLOAT_DTYPES
-from .errors import InvalidInput, from_kernel_error
+from service.errors import InvalidInput, from_kernel_error
+from service.wire.tensors import FLOAT_DTYPES
 
 log = logging.getLogger("attnserve.layers")
 

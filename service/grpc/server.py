@@ -20,13 +20,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import grpc_codec, grpc_oip
-from .auth import check_api_key
-from .codec import ServerTiming
-from .errors import BadRequest, ServiceError
-from .grpc_codec import offload, result_bytes
-from .protogen import attention_stubs
-from .settings import Settings
+from service.auth import check_api_key
+from service.errors import BadRequest, ServiceError
+from service.grpc import codec, oip
+from service.grpc.codec import offload, result_bytes
+from service.grpc.protogen import attention_stubs
+from service.settings import Settings
+from service.wire.tensors import ServerTiming
 
 log = logging.getLogger("attnserve.grpc")
 
@@ -38,8 +38,8 @@ ATTENTION_SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 KEY_EXEMPT_SERVICES = frozenset({
     health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection",
 })
-KEY_EXEMPT_METHODS = frozenset(grpc_oip.HEALTH_METHODS)
-STREAM_WINDOW = grpc_oip.STREAM_WINDOW  # calls one stream may have in flight (then flow control)
+KEY_EXEMPT_METHODS = frozenset(oip.HEALTH_METHODS)
+STREAM_WINDOW = oip.STREAM_WINDOW  # calls one stream may have in flight (then flow control)
 MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's own ceiling for a message-size option
 
 
@@ -204,23 +204,23 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def _attend(self, request, deadline: float | None, request_id: str | None = None,
                       timing: ServerTiming | None = None):
         timing = ServerTiming() if timing is None else timing
-        req = await offload(request.ByteSize(), grpc_codec.attention_request, request, deadline=deadline,
+        req = await offload(request.ByteSize(), codec.attention_request, request, deadline=deadline,
                             request_id=request_id)
         timing.mark("decode")
         res = await self.engine.attend(req)
         timing.engine(res.stamps)
-        out = await offload(result_bytes(res.o, res.lse), grpc_codec.attend_response, res)
+        out = await offload(result_bytes(res.o, res.lse), codec.attend_response, res)
         timing.mark("encode")
         return out
 
     async def Attend(self, request, context):
         timing = ServerTiming()
-        response = await self._attend(request, grpc_codec.deadline_of(context), timing=timing)
+        response = await self._attend(request, codec.deadline_of(context), timing=timing)
         context.set_trailing_metadata((("server-timing", timing.value()),))
         return response
 
     async def AttendStream(self, request_iterator, context):
-        deadline = grpc_codec.deadline_of(context)
+        deadline = codec.deadline_of(context)
 
         async def one(i: int, request):
             rid = request.request_id or str(i)
@@ -229,17 +229,17 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             except Exception as exc:  # answered in-band; the stream goes on (cancelling still ends it)
                 return pb.AttendResponse(request_id=rid, error=call_error(exc))
 
-        async for response in grpc_codec.run_concurrently(request_iterator, one, STREAM_WINDOW):
+        async for response in codec.run_concurrently(request_iterator, one, STREAM_WINDOW):
             yield response
 
     async def CallLayer(self, request, context):
-        req = await offload(request.ByteSize(), grpc_codec.layer_request, request,
-                            deadline=grpc_codec.deadline_of(context))
+        req = await offload(request.ByteSize(), codec.layer_request, request,
+                            deadline=codec.deadline_of(context))
         res = await self.engine.call_layer(req)
-        return await offload(result_bytes(res.y), grpc_codec.layer_response, res)
+        return await offload(result_bytes(res.y), codec.layer_response, res)
 
     async def ListLayers(self, request, context):
-        return pb.ListLayersResponse(layers=[grpc_codec.layer_info(i) for i in self.engine.layer_infos()])
+        return pb.ListLayersResponse(layers=[codec.layer_info(i) for i in self.engine.layer_infos()])
 
 
 # ---- grpc.health.v1.Health, following the engine ----------------------------------------------
@@ -251,7 +251,7 @@ class EngineHealth(health_pb2_grpc.HealthServicer):
     NOT_SERVING and ends, so that open watches do not hold the server's shutdown to its grace period.
     """
 
-    SERVICES = ("", ATTENTION_SERVICE, grpc_oip.SERVICE_NAME)
+    SERVICES = ("", ATTENTION_SERVICE, oip.SERVICE_NAME)
     POLL_S = 0.25
 
     def __init__(self, engine):
@@ -311,10 +311,10 @@ def create_server(engine, settings: Settings) -> grpc.aio.Server:
         ],
     )
     pb_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(engine), server)
-    grpc_oip.add_to_server(engine, server)
+    oip.add_to_server(engine, server)
     health_pb2_grpc.add_HealthServicer_to_server(EngineHealth(engine), server)
     reflection.enable_server_reflection(
-        (ATTENTION_SERVICE, grpc_oip.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (ATTENTION_SERVICE, oip.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else \
         f"{settings.host}:{settings.grpc_port}"

@@ -25,8 +25,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 import kernels
-
-from .codec import (  # the safetensors format lives in codec: the client uses it too
+from service.core.types import LAYOUTS, AttentionRequest, LayerRequest
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.settings import Settings
+from service.wire.tensors import (  # the safetensors format lives in codec: the client uses it too
     DTYPE_NAMES,
     MAX_DIMS,
     aligned,
@@ -37,9 +39,6 @@ from .codec import (  # the safetensors format lives in codec: the client uses i
     tensor_from_bytes,
     tensor_to_bytes,
 )
-from .errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
-from .settings import Settings
-from .types import LAYOUTS, AttentionRequest, LayerRequest
 
 T = TypeVar("T")
 

@@ -1,0 +1,27 @@
+"""Python clients of the service, one interface over two transports.
+
+    from service.client import AttentionClient, GrpcAttentionClient
+    o = AttentionClient("http://localhost:8000").attention(q, k, v, causal=True)
+    o = GrpcAttentionClient("localhost:8001").attention(q, k, v, causal=True)
+
+The gRPC client is imported on first use: the HTTP client needs neither grpcio nor the stubs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from service.client.http import AttentionClient, AttentionServiceError
+
+if TYPE_CHECKING:
+    from service.client.grpc import GrpcAttentionClient, GrpcAttentionServiceError
+
+__all__ = ["AttentionClient", "AttentionServiceError", "GrpcAttentionClient", "GrpcAttentionServiceError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("GrpcAttentionClient", "GrpcAttentionServiceError"):
+        from service.client import grpc
+
+        return getattr(grpc, name)
+    raise AttributeError(name)

@@ -1,0 +1,173 @@
+"""Python client of the gRPC API (attention.v1, API.md §3), with the interface of the HTTP client
+(``service.client.http.AttentionClient``): torch tensors in, torch tensors out.
+
+    from service.client import GrpcAttentionClient
+    with GrpcAttentionClient("localhost:8001", api_key=None, timeout=60.0) as client:
+        o = client.attention(q, k, v, causal=True)                 # q: (B, Hq, Nq, D)
+        o, lse = client.attention(q, k, v, return_lse=True)
+        client.layers()                                            # [{"name", "family", ...}]
+        y = client.call_layer("minilm0", x)                        # x: (B, N, hidden)
+        client.ready()                                             # True once the server is warm
+        for request_id, o in client.attention_stream({"q": q, "k": k, "v": v} for _ in range(100)):
+            if isinstance(o, GrpcAttentionServiceError):           # this call failed; the others go on
+                ...
+            ...                                                    # completion order, ids "0", "1", ...
+
+Errors raise ``GrpcAttentionServiceError`` (an ``AttentionServiceError``): ``status`` is the
+``grpc.StatusCode``, ``code`` the service's code (e.g. "invalid_input"), ``message`` its message.
+On ``attention_stream`` a failed call is not raised but yielded in place of its result, the same
+error type with the same fields, and the stream goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.client.http import AttentionServiceError
+from service.grpc import codec as grpc_codec
+from service.grpc.protogen import attention_stubs
+from service.wire import tensors
+
+_stubs = attention_stubs()
+pb, pb_grpc = _stubs.attention_pb2, _stubs.attention_pb2_grpc
+
+UNLIMITED = -1  # message size: the server's limit (--max-body-mb) is the one that applies
+Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class GrpcAttentionServiceError(AttentionServiceError):
+    """An error status: ``status`` (grpc.StatusCode), ``code`` (service code), ``message``."""
+
+
+def _error(exc: grpc.RpcError) -> GrpcAttentionServiceError:
+    trailers = dict(exc.trailing_metadata() or ())
+    retry = trailers.get("retry-after")
+    code = trailers.get("attnserve-error-code", exc.code().name.lower())
+    return GrpcAttentionServiceError(exc.code(), code, exc.details() or "", float(retry) if retry else None)
+
+
+def _call_error(err) -> GrpcAttentionServiceError:
+    """An in-band attention.v1.CallError (AttendStream) -> the error a unary call would have raised."""
+    status = getattr(grpc.StatusCode, err.status, grpc.StatusCode.UNKNOWN)
+    retry = err.retry_after_s if err.HasField("retry_after_s") else None
+    return GrpcAttentionServiceError(status, err.code or status.name.lower(), err.message, retry)
+
+
+def _tensor(msg) -> torch.Tensor:
+    """A response tensor, copied out of the message's bytes (so the caller may write to it)."""
+    return tensors.tensor_from_bytes(bytearray(msg.data), list(msg.shape), grpc_codec.DTYPE_OF_ENUM[msg.dtype])
+
+
+def _opt(t: torch.Tensor | None):
+    return grpc_codec.tensor_to_pb(t) if t is not None else None
+
+
+def attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                   scale: float | None = None, kv_lengths: torch.Tensor | None = None,
+                   return_lse: bool = False, layout: str = "bhnd", kernel: str = "auto",
+                   request_id: str = ""):
+    """The AttendRequest message of one call (the keyword arguments of ``attention``)."""
+    return pb.AttendRequest(
+        q=grpc_codec.tensor_to_pb(q), k=grpc_codec.tensor_to_pb(k), v=grpc_codec.tensor_to_pb(v),
+        causal=causal, scale=scale, layout=layout, return_lse=return_lse, kv_lengths=_opt(kv_lengths),
+        kernel=kernel, request_id=request_id,
+    )
+
+
+def _result(resp) -> Result:
+    o = _tensor(resp.o)
+    return (o, _tensor(resp.lse)) if resp.HasField("lse") else o
+
+
+class GrpcAttentionClient:
+    """A synchronous client over one channel (HTTP/2 multiplexing); safe to share between threads.
+
+    ``timeout`` (seconds) is each call's gRPC deadline; the server honours it (DEADLINE_EXCEEDED).
+    """
+
+    def __init__(self, target: str, api_key: str | None = None, timeout: float | None = 60.0,
+                 options: Iterable[tuple[str, Any]] = ()):
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", UNLIMITED),
+            ("grpc.max_receive_message_length", UNLIMITED),
+            *options,
+        ])
+        self._stub = pb_grpc.AttentionServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GrpcAttentionClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _call(self, rpc, request):
+        try:
+            return rpc(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                  scale: float | None = None, kv_lengths: torch.Tensor | None = None,
+                  return_lse: bool = False, layout: str = "bhnd", kernel: str = "auto") -> Result:
+        """q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D) ((B, N, H, D) with layout="bnhd") -> o [, lse]."""
+        req = attend_request(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
+                             return_lse=return_lse, layout=layout, kernel=kernel)
+        return _result(self._call(self._stub.Attend, req))
+
+    def attention_stream(self, requests: Iterable[dict[str, Any]], timeout: float | None = None
+                         ) -> Iterator[tuple[str, Result | GrpcAttentionServiceError]]:
+        """Many calls on one AttendStream. Each item holds ``attention``'s keyword arguments (q, k, v,
+        causal, ...) and optionally ``request_id`` (default: its position, "0", "1", ...).
+
+        Yields one ``(request_id, outcome)`` per call, in completion order, where ``outcome`` is
+        ``o``, ``(o, lse)`` (with ``return_lse``) or, for a call that failed, a
+        ``GrpcAttentionServiceError`` (yielded, not raised: ``status``, ``code``, ``message``,
+        ``retry_after_s``, as the same call on ``attention`` would raise). A failed call does not stop
+        the others. Only a stream-level failure raises ``GrpcAttentionServiceError`` and ends the
+        iteration: wrong API key, the stream's deadline (``timeout``, default the client's, bounds the
+        whole stream), server unreachable or going away."""
+
+        def messages():
+            for i, kwargs in enumerate(requests):
+                yield attend_request(**{"request_id": str(i), **kwargs})
+
+        try:
+            for resp in self._stub.AttendStream(messages(), timeout=timeout or self.timeout,
+                                                metadata=self._metadata):
+                yield resp.request_id, _call_error(resp.error) if resp.HasField("error") else _result(resp)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def layers(self) -> list[dict[str, Any]]:
+        """The loaded layers: name, family, hidden_size, num_heads, num_kv_heads, head_dim, dtype."""
+        resp = self._call(self._stub.ListLayers, pb.ListLayersRequest())
+        return [{"name": i.name, "family": i.family, "hidden_size": i.hidden_size, "num_heads": i.num_heads,
+                 "num_kv_heads": i.num_kv_heads, "head_dim": i.head_dim,
+                 "dtype": pb.DType.Name(i.dtype).lower()} for i in resp.layers]
+
+    def call_layer(self, name: str, x: torch.Tensor, causal: bool = False,
+                   positions: torch.Tensor | None = None,
+                   kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, N, hidden) -> y: (B, N, hidden)."""
+        req = pb.LayerRequest(layer=name, x=grpc_codec.tensor_to_pb(x), causal=causal,
+                              positions=_opt(positions), kv_lengths=_opt(kv_lengths))
+        return _tensor(self._call(self._stub.CallLayer, req).y)
+
+    def ready(self) -> bool:
+        """True when grpc.health.v1 says SERVING (the engine is warm and not draining)."""
+        try:
+            resp = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
