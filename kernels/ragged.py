@@ -267,7 +267,8 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
 
 # ---- launches ----
 
-def _launch_plain() -> Callable:
+def plain_launcher() -> Callable:
+    """The project's cached launcher of plain ``@triton.jit`` kernels (``flash.launch_plain``)."""
     try:  # the launch cache may live in kernels/launch.py (the kernels/ reorganisation)
         from .launch import launch_plain  # type: ignore[import-not-found]
     except ImportError:
@@ -313,7 +314,7 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
         page = 1
         kst, vst = (0, *k.stride()), (0, *v.stride())
         bt, bt_strides = _placeholder(dev, torch.int32), (0, 0)
-    launch = _launch_plain()
+    launch = plain_launcher()
     bd = block_d(d)
     for work, cfg, decode in ((plan.decode, plan.cfg_decode, True), (plan.prefill, plan.cfg_prefill, False)):
         if work.shape[0] == 0:
