@@ -156,11 +156,11 @@ def append_paged(
     """
     k_pages, v_pages = _check_pages(k_pages, v_pages)
     k_new, v_new = check_tensor3("k_new", k_new), check_tensor3("v_new", v_new)
+    if tuple(v_new.shape) != tuple(k_new.shape) or tuple(k_new.shape[1:]) != tuple(k_pages.shape[2:]):
+        raise ShapeError(f"k_new, v_new [T, Hkv, D] must match each other and the pages' [Hkv, D] = "
+                         f"{list(k_pages.shape[2:])}, got {list(k_new.shape)} and {list(v_new.shape)}")
     check_heads(k_new, k_pages, v_pages, "k_pages, v_pages")
     check_heads(v_new, k_new, k_new, "k_new")
-    if tuple(k_new.shape[1:]) != tuple(k_pages.shape[2:]):
-        raise ShapeError(f"k_new, v_new [T, Hkv, D] must match the pages' [Hkv, D] = {list(k_pages.shape[2:])}, "
-                         f"got {list(k_new.shape)}")
     dev = k_pages.device
     cu = check_index("cu_seqlens_new", cu_seqlens_new, 1, dev, SeqLensError, "[S + 1]")
     bt, cl = _check_table(block_table, cache_lens, cu.shape[0] - 1, dev)
