@@ -265,6 +265,14 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
     return Plan(*views, part_rows=part_rows, cfg_decode=cfg_d, cfg_prefill=cfg_p)
 
 
+@functools.lru_cache(maxsize=256)
+def cached_plan(q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_starts: tuple[int, ...] | None, hq: int, hkv: int,
+                d: int, dtype: torch.dtype, device: torch.device, causal: bool, interpret: bool) -> Plan:
+    """``build_plan``, kept for lengths seen before (a repeated batch skips the host work and the
+    host-to-device copy; the device buffers are only ever read)."""
+    return build_plan(q_lens, k_lens, k_starts, hq, hkv, d, dtype, device, causal, interpret)
+
+
 # ---- launches ----
 
 def plain_launcher() -> Callable:
@@ -300,7 +308,8 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
     lse = torch.empty(hq, t_q, dtype=torch.float32, device=dev)
     if t_q == 0:
         return o, lse
-    plan = build_plan(q_lens, k_lens, k_starts, hq, hkv, d, q.dtype, dev, causal, interpret)
+    plan = cached_plan(tuple(q_lens), tuple(k_lens), None if k_starts is None else tuple(k_starts), hq, hkv, d,
+                       q.dtype, dev, bool(causal), interpret)
     part_rows = max(plan.part_rows, 1)
     o_part = torch.empty(part_rows, hq, d, dtype=torch.float32, device=dev) if plan.part_rows else \
         _placeholder(dev, torch.float32)
