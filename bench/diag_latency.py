@@ -27,8 +27,8 @@ import torch
 
 import kernels
 from bench.timing import graph_ms
-from kernels import _flash_fwd_kernels as kern
 from kernels.flash import flash_forward
+from kernels.jit import flash_fwd as kern
 from service.engine import Engine
 from service.settings import load_settings
 from service.types import AttentionRequest

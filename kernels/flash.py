@@ -1,4 +1,4 @@
-"""Launcher of the fast Triton forward (``kernels/_flash_fwd_kernels.py``): checks, allocates, grids.
+"""Launcher of the fast Triton forward (``kernels/jit/flash_fwd.py``): checks, allocates, grids.
 
 ``flash_forward(q, k, v, *, causal, scale, kv_lengths=None) -> (o, lse)``
 
@@ -29,9 +29,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import _flash_decode_gluon as kern_decode
-from . import _flash_fwd_gluon as kern_gluon
-from . import _flash_fwd_kernels as kern
+from .jit import flash_fwd as kern
+from .jit import gluon_decode as kern_decode
+from .jit import gluon_fwd as kern_gluon
 
 _INTERPRET_CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 SPLIT_KEY_QUANTUM = 256  # keys per split are a multiple of this (a multiple of every BLOCK_N)
@@ -329,7 +329,7 @@ GLUON_MIN_N_CAUSAL = 2048
 
 def gluon_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pack: int, splits: int,
                sizes: bool = True) -> bool:
-    """Whether ``attn_fwd_ws`` (Gluon, ``_flash_fwd_gluon.py``) serves this problem: 16-bit prefill
+    """Whether ``attn_fwd_ws`` (Gluon, ``jit/gluon_fwd.py``) serves this problem: 16-bit prefill
     at D 128 on a Hopper GPU, causal or not, strides a host TMA descriptor takes (16-byte multiples,
     none 0 on a dim longer than 1). At D 64 it was no faster than ``attn_fwd_tma`` on the H200 (412
     vs 408 TFLOP/s, fp16 4x32x4096x64), and Triton's interpreter cannot run Gluon. ``sizes=False``
@@ -362,7 +362,7 @@ _16BIT = (torch.float16, torch.bfloat16)
 
 
 def decode_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int, splits: int) -> bool:
-    """Whether ``attn_decode`` (Gluon, ``_flash_decode_gluon.py``) serves this problem: a
+    """Whether ``attn_decode`` (Gluon, ``jit/gluon_decode.py``) serves this problem: a
     decode-like plan (GQA rows packed, or keys split; at most 64 rows a program), 16-bit at D 64 or
     128 on a Hopper GPU, K and V that host TMA descriptors take (q is read through pointers, any
     strides). Never depends on B, as ``tma_path``."""

@@ -191,7 +191,7 @@ import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from kernels import _flash_fwd_gluon as kg
+from kernels.jit import gluon_fwd as kg
 from kernels import flash
 
 dtype, has_kv_len, causal = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
@@ -273,8 +273,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from triton.compiler import ASTSource
-from kernels import _flash_decode_gluon as kd
-from kernels import _flash_fwd_kernels as kf
+from kernels.jit import gluon_decode as kd
+from kernels.jit import flash_fwd as kf
 from kernels import flash
 
 dtype, d, pack, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -451,8 +451,8 @@ def test_gpu_launch_cache_follows_data_and_alignment():
 def test_gpu_every_tma_config(d, monkeypatch, poisoned_empty):
     """Each config the TMA kernel's autotuner may pick is checked on its own: a warp-specialised
     config gave NaN on the H200 once (128/64/w4/s3), so none is listed unseen."""
-    from kernels import _flash_fwd_kernels as kern
     from kernels import flash
+    from kernels.jit import flash_fwd as kern
 
     monkeypatch.setenv("ATTNSERVE_AUTOTUNE", "0")  # the first pruned config: the one patched in
     cases = [((1, 8, 8, 2048, 2048, d, False, None), torch.bfloat16),

@@ -7,7 +7,7 @@ program works through its tiles (``_work`` gives their order) with three roles s
 - a producer warp copies each tile's Q once both consumers are done with the last one's, then K_j
   and V_j by TMA into two stages each, a stage only once both consumers have released it
   (``k_empty`` / ``v_empty``, one arrival per consumer). Its ring runs on across tiles;
-- two consumer warpgroups, 64 rows each, run the online softmax of ``_flash_fwd_kernels.py``
+- two consumer warpgroups, 64 rows each, run the online softmax of ``jit/flash_fwd.py``
   (base 2, scale folded in). Within a warpgroup the S_j = Q K_jᵀ of block j is issued before the
   P_{j-1} V_{j-1} of block j-1, so its softmax overlaps the tensor cores' second GEMM; the two
   warpgroups drift apart freely (no CTA-wide barrier in the loop), so one's softmax also

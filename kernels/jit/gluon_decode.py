@@ -13,7 +13,7 @@ from the copies' depth: more stages or wider blocks were no faster. Host time: ~
 (Triton's launcher encodes the two descriptors on every launch), which an eager B = 1 decode waits
 for (docs/benchmarks/kernels.md, thirteenth session).
 
-The online softmax is ``_flash_fwd_kernels.py``'s (base 2, scale folded in); each split stores its
+The online softmax is ``jit/flash_fwd.py``'s (base 2, scale folded in); each split stores its
 O normalised by its own l, in fp32, with its lse, or, unsplit, the final o in q's dtype. Split, the
 merge is launched as a programmatic dependent: each program lets it be scheduled once its key loop
 is done (``SIGNAL_MERGE``), and the merge waits for the whole grid (``flash._DecodeRecipe``).
@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._flash_fwd_gluon import _box, _finite
+from .gluon_fwd import _box, _finite
 
 ROWS = gl.constexpr(64)  # query rows per program: the M of one wgmma
 
