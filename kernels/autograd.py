@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from .flash import _bucket, block_d, flash_forward, kv_length_arg, launch
+from .flash import flash_forward
 from .jit import flash_bwd as kern
+from .launch import launch
+from .plan import _bucket, block_d, kv_length_arg
 
 
 def flash_backward(

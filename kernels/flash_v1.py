@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from .flash import SPLIT_KEY_QUANTUM, _num_sms, block_d, combine, kv_length_arg, launch, split_keys
+from .flash import combine
 from .jit import flash_v1 as kern
+from .launch import launch
+from .plan import SPLIT_KEY_QUANTUM, _num_sms, block_d, kv_length_arg, split_keys
 
 MAX_SPLITS = 8
 

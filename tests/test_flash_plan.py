@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import flash
+from kernels import flash, launch, plan
 
 needs_interpreter = pytest.mark.skipif(not flash.interpreting(), reason="runs the kernels under TRITON_INTERPRET=1")
 
@@ -43,7 +43,7 @@ def test_decode_splits_fill_one_wave_per_batch_element(hq, hkv, n_k):
     cpu = torch.device("cpu")
     pack, splits, kps = flash.plan(1, hq, hkv, 1, n_k, cpu)
     programs = hq // pack  # one row block each: pack·Nq <= 16 rows
-    sms = flash._num_sms(cpu)
+    sms = plan._num_sms(cpu)
     assert sms <= programs * splits < sms + programs
     assert splits * kps >= n_k > (splits - 1) * kps
 
@@ -61,7 +61,7 @@ def test_the_16bit_split_kernel_has_one_config(dtype, block_d):
 @pytest.mark.parametrize("hq, n_q", [(32, 1), (8, 64), (64, 64)])
 def test_merge_row_tile_does_not_depend_on_batch(monkeypatch, hq, n_q):
     """The merge's row tile decides how each row's splits are summed; it once came from B·Hq·Nq."""
-    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
     tiles = set()
     monkeypatch.setattr(flash, "launch_plain", lambda fn, grid, args, consts, **kw: tiles.add(consts["RB"]))
     for b in (1, 3, 100):
@@ -89,7 +89,7 @@ def test_batched_decode_equals_lone_requests_bit_for_bit(batch):
 def fake_tuning(monkeypatch):
     """Let the real triton Autotuner run on the CPU: no timing, one candidate config."""
     flash.freeze_autotuning(False)  # an engine started earlier in this process froze it
-    monkeypatch.setattr(flash, "interpreting", lambda: False)  # take launch()'s GPU branches
+    monkeypatch.setattr(launch, "_INTERPRETED", False)  # take launch()'s GPU branches
     tuned = flash.kern.attn_fwd_tuned
     monkeypatch.setattr(tuned, "cache", {})
     monkeypatch.setattr(tuned, "_bench", lambda *a, config, **k: [1.0, 1.0, 1.0])
@@ -99,7 +99,7 @@ def fake_tuning(monkeypatch):
     real_launch = flash.launch
 
     def recording_launch(t, grid, args, meta, first):
-        calls.append((t, args, meta, flash._tuned_already(t, args, meta)))
+        calls.append((t, args, meta, launch._tuned_already(t, args, meta)))
         real_launch(t, grid, args, meta, first)
 
     monkeypatch.setattr(flash, "launch", recording_launch)
@@ -139,7 +139,7 @@ def test_short_keys_at_d64_get_narrow_key_blocks(fake_tuning, monkeypatch):
         q, k, v = _qkv(torch.float16, n=n, d=d)
         flash.flash_forward(q, k, v, causal=False, scale=0.2)
         t, args, meta, _ = calls[-1]
-        cfg, launched = flash._choose_config(t, None, args, meta)
+        cfg, launched = launch._choose_config(t, None, args, meta)
         picks[n, d] = (cfg["BLOCK_M"], cfg["BLOCK_N"])
         assert not launched
     assert picks[128, 64] == picks[511, 40] == (128, 32)
