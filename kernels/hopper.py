@@ -52,7 +52,7 @@ _NO_GLUON = "Triton's interpreter cannot run Gluon"
 
 @functools.cache
 def _hopper(device: torch.device) -> bool:
-    """sm_90 only: the configs were chosen and checked on Hopper; Triton's warp specialisation
+    """sm_90 only: the configs are chosen for and checked on Hopper; Triton's warp specialisation
     works differently on Blackwell (sm_100+), where nothing here has run."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
