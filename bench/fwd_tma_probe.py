@@ -175,8 +175,8 @@ WS_CONFIGS = [(128, 128, 4, 2, True), (128, 128, 8, 3, False), (128, 64, 8, 3, F
 def ws_row(dt, b, h, n, d) -> str:
     """Which configs keep the bare probe's speed inside the full kernel (its kv_len, ragged-block
     and epilogue code around the loop)?"""
-    from kernels.flash import _bucket, _no_lengths
     from kernels.jit import flash_fwd as kern
+    from kernels.plan import _bucket, _no_lengths
 
     torch.manual_seed(0)
     q, k, v = _qkv(b, h, h, n, n, d, dt)

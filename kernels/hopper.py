@@ -1,22 +1,16 @@
-"""flash's Hopper (sm_90) paths: which problems the TMA and Gluon kernels take, and how the Gluon
-kernels are launched.
+"""flash's Hopper (sm_90) paths: which problems the TMA and Gluon kernels take (``*_refusal``: None
+when the kernel serves it, else why not; ``*_path``: the same rule as a bool), and the Gluon launches.
 
-- ``tma_refusal`` / ``tma_path``: ``attn_fwd_tma`` (Triton, device-side TMA descriptors), the
-  non-causal 16-bit prefill at D 64 or 128 (launched by ``flash._forward_tma``);
-- ``gluon_refusal`` / ``gluon_path``: ``attn_fwd_ws`` (Gluon, ``jit/gluon_fwd.py``), the 16-bit
-  prefill at D 128, causal or not;
-- ``decode_refusal`` / ``decode_path``: ``attn_decode`` (Gluon, ``jit/gluon_decode.py``), the
-  packed or split decode in 16 bits at D 64 or 128.
+- ``tma_refusal``: ``attn_fwd_tma`` (Triton, TMA), non-causal 16-bit prefill at D 64 or 128;
+- ``gluon_refusal``: ``attn_fwd_ws`` (Gluon, ``jit/gluon_fwd.py``), 16-bit prefill at D 128;
+- ``decode_refusal``: ``attn_decode`` (Gluon, ``jit/gluon_decode.py``), packed or split 16-bit
+  decode at D 64 or 128.
 
-A ``*_refusal`` returns None when its kernel serves the problem, else why not; ``*_path`` is the
-same rule as a bool. None of them depends on B (batched answers equal lone ones bit for bit): the
-strides they read are per row and per head, and the service stages every request at 256-byte
-aligned offsets.
-
-The Gluon launches are worked out once per problem (``_DecodeRecipe``, ``_GluonRecipe``, kept in
-``_recipes``); every later call allocates, points host TMA descriptors at its own tensors and calls
-Triton's compiled launcher (``launch._run``). With direct launches off they run through
-``launch_plain`` instead, worked out anew each call.
+None depends on B (batched answers equal lone ones bit for bit): the strides they read are per row
+and per head, and the service stages every request at 256-byte aligned offsets. A Gluon launch is
+worked out once per problem (``_DecodeRecipe``, ``_GluonRecipe`` in ``_recipes``); later calls
+allocate, point host TMA descriptors at their tensors and call ``launch._run``. With direct
+launches off, ``_decode_plain`` and ``_gluon_plain`` launch through ``launch_plain`` instead.
 """
 
 from __future__ import annotations
@@ -44,10 +38,8 @@ _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, 
 DECODE_BLOCK_N = {64: 128, 128: 64}
 DECODE_STAGES = 2
 
-_DECODE_PLAN = "a decode plan (GQA rows packed or keys split)"
-_NOT_16BIT = "not float16/bfloat16"
-_NOT_SM90 = "not sm_90"
-_NO_GLUON = "Triton's interpreter cannot run Gluon"
+_DECODE_PLAN, _NOT_16BIT = "a decode plan (GQA rows packed or keys split)", "not float16/bfloat16"
+_NOT_SM90, _NO_GLUON = "not sm_90", "Triton's interpreter cannot run Gluon"
 
 
 @functools.cache
@@ -66,9 +58,8 @@ def _tma_rows_ok(t: torch.Tensor) -> bool:
 def tma_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 pack: int, splits: int, sizes: bool = True) -> str | None:
     """Why ``attn_fwd_tma`` does not serve this problem, or None when it does: non-causal 16-bit
-    prefill at D 64 or 128 on a Hopper GPU (or the interpreter), TMA-compatible strides, a positive
-    scale (its loop takes the row max before scaling). ``sizes=False`` skips the sequence-length
-    threshold (tests). On every call's path: the reasons are constants."""
+    prefill at D 64 or 128 on Hopper (or the interpreter), TMA-compatible strides, a positive scale.
+    ``sizes=False`` skips the length threshold (tests). On every call's path: constant reasons."""
     if causal:
         return "causal"
     if scale <= 0:
@@ -96,9 +87,8 @@ def tma_path(q, k, v, causal: bool, scale: float, pack: int, splits: int, sizes:
 def gluon_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pack: int, splits: int,
                   sizes: bool = True) -> str | None:
     """Why ``attn_fwd_ws`` does not serve this problem, or None when it does: 16-bit prefill at D
-    128 on a Hopper GPU, causal or not, strides a host TMA descriptor takes (16-byte multiples, none
-    0 on a dim longer than 1). At D 64 ``attn_fwd_tma`` is as fast (docs/benchmarks/kernels.md#gluon).
-    ``sizes=False`` skips the sequence-length thresholds (tests)."""
+    128 on Hopper, causal or not, strides a host TMA descriptor takes (``_descriptor_ok``); at D 64
+    ``attn_fwd_tma`` is as fast. ``sizes=False`` skips the length thresholds (tests)."""
     if pack != 1 or splits != 1:
         return _DECODE_PLAN
     if q.dtype not in _16BIT:
@@ -138,9 +128,7 @@ def _descriptor_ok(t: torch.Tensor) -> bool:
 
 
 def decode_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int, splits: int) -> str | None:
-    """Why ``attn_decode`` does not serve this problem, or None when it does: a decode-like plan
-    (GQA rows packed, or keys split; at most ``ROWS`` rows a program), 16-bit at D 64 or 128 on a
-    Hopper GPU, K and V that host TMA descriptors take (q is read through pointers, any strides)."""
+    """Why ``attn_decode`` does not serve this problem, or None when it does (``_decode_check``)."""
     return _decode_check(q, k, v, pack, splits)[1]
 
 
@@ -149,16 +137,16 @@ def decode_path(q, k, v, pack: int, splits: int) -> bool:
     return decode_descriptors(q, k, v, pack, splits) is not None
 
 
-def decode_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: int,
-                       splits: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+def decode_descriptors(q, k, v, pack: int, splits: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """``attn_decode``'s K and V descriptors where ``decode_path`` holds, else None."""
     return _decode_check(q, k, v, pack, splits)[0]
 
 
 def _decode_check(q, k, v, pack: int, splits: int) -> tuple[tuple | None, str | None]:
-    """(K and V descriptors, None) where ``attn_decode`` serves the problem, else (None, why not).
-    The stride rules are checked on the lists the descriptors hold anyway (an eager decode waits
-    on the host, and each tensor's strides are read once)."""
+    """(K and V descriptors, None) where ``attn_decode`` serves the problem, else (None, why not):
+    a decode-like plan (GQA rows packed, or keys split; at most ``ROWS`` rows a program), 16-bit at
+    D 64 or 128 on a Hopper GPU, K and V that host TMA descriptors take (q is read through
+    pointers, any strides). The stride rules are checked on the lists the descriptors hold."""
     if pack == 1 and splits == 1:
         return None, "not a decode plan (no GQA rows packed, no keys split)"
     n_q, d = q.shape[2:]
@@ -254,8 +242,7 @@ def _decode_launch(q, k, descs, out, kv_len, has_kv_len: bool, scale: float, cau
 
 
 def _part_shapes(q, splits: int) -> tuple | None:
-    b, hq, n_q, d = q.shape
-    return ((splits, b, hq, n_q, d), (splits, b, hq, n_q)) if splits > 1 else None
+    return ((splits, *q.shape), (splits, *q.shape[:3])) if splits > 1 else None
 
 
 class _DecodeRecipe:
@@ -383,9 +370,7 @@ def _forward_gluon(q, descs, lse, kv_len, scale: float, recipe: _GluonRecipe) ->
 
 def _gluon_plain(causal: bool, q, k, v, kv_lengths, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``_GluonRecipe``'s launch through ``launch_plain``, worked out anew (direct launches off)."""
-    b, hq, n_q, d = q.shape
-    o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=q.device)
+    o, lse, *_ = _outputs(q.shape, q.shape[:3], None, q.dtype, q.device)
     kv_len = kv_length_arg(kv_lengths, k.shape[2], q.device)
     grid, args, consts = _gluon_launch(q, k, v, o, lse, kv_len, kv_lengths is not None, scale, causal)
     launch_plain(kern_gluon.attn_fwd_ws, grid, args, consts, num_warps=4)
@@ -399,11 +384,10 @@ clear_on_switch(_recipes)
 
 def _recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, tma: bool | None, pack: int,
             splits: int, kps: int):
-    """A callable ``(q, k, v, kv_lengths, scale) -> (o, lse)`` for a problem one of the Gluon
-    kernels serves (``decode_path``, or ``gluon_path`` for what ``plan`` neither packs nor splits),
-    built on its first call; None where neither serves it. Keyed on what decides every launch
-    argument but the data: shapes, strides, dtype, device, the flags, and the 16-byte alignment
-    Triton specialises q on and TMA needs of q, k, v."""
+    """``(q, k, v, kv_lengths, scale) -> (o, lse)`` for a problem a Gluon kernel serves
+    (``decode_path``, or ``gluon_path`` for what ``plan`` neither packs nor splits), built on its
+    first call; None where neither does. Keyed on what decides every launch argument but the data:
+    shapes, strides, dtype, device, flags, and the 16-byte alignments Triton and TMA depend on."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
            kv_lengths is None, num_splits, tma, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
     try:
