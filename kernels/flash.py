@@ -98,7 +98,8 @@ def flash_forward(
         lse_part = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
         out = (o_part, lse_part, o_part.stride(), lse_part.stride())
     if tma:  # attn_decode and attn_fwd_ws (above) take every problem of theirs TMA can describe
-        raise ValueError("tma=True: this problem does not fit the TMA kernel (see hopper.tma_refusal)")
+        why = tma_refusal(q, k, v, causal, scale, pack, splits, sizes=False)
+        raise ValueError(f"tma=True: this problem does not fit the TMA kernel: {why}")
     if _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps):
         tell(q, k, causal, kv_lengths is not None, pack, splits, "attn_fwd",
              lambda: _why_not(q, k, v, causal, scale, pack, splits, tma, gluon, "attn_fwd"))
