@@ -22,7 +22,7 @@ SPLIT_KEY_QUANTUM = 256  # keys per split are a multiple of this (a multiple of 
 
 
 def _cdiv(a: int, b: int) -> int:
-    """``triton.cdiv`` without its JIT wrapper (a few us a call from Python)."""
+    """``triton.cdiv`` without its JIT wrapper (host time on every call)."""
     return -(-a // b)
 
 
