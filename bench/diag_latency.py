@@ -24,13 +24,13 @@ import statistics
 import time
 
 import torch
+from service.engine import Engine
+from service.types import AttentionRequest
 
 import kernels
 from bench.timing import graph_ms
-from kernels import _flash_fwd_kernels as kern
 from kernels.flash import flash_forward
-from service.core.engine import Engine
-from service.core.types import AttentionRequest
+from kernels.jit import flash_fwd as kern
 from service.settings import load_settings
 
 
@@ -75,7 +75,7 @@ def part_request(shape: tuple[int, ...], iters: int) -> None:
         eng = Engine(settings)
         await eng.start()
         w = eng.workers[0] if hasattr(eng, "workers") else eng.batcher.workers[0]
-        from service.core.worker import _finish_all
+        from service.worker import _finish_all
 
         req = AttentionRequest(q=qh, k=kh, v=vh)
         print(f"  worker launch+finish (direct)  {_med_ms(lambda: _finish_all(w._launch_all([req])), iters):8.3f} ms")
@@ -112,7 +112,7 @@ def part_request(shape: tuple[int, ...], iters: int) -> None:
 async def _trace_engine(eng: Engine, make, iters: int) -> None:
     """Median gap between consecutive steps of one lone request through ``Engine.attend``: each
     step is stamped by wrapping the method that starts it (a few µs of wrapping cost included)."""
-    import service.core.worker as worker_mod
+    import service.worker as worker_mod
 
     stamps: dict[str, float] = {}
 

@@ -175,8 +175,8 @@ WS_CONFIGS = [(128, 128, 4, 2, True), (128, 128, 8, 3, False), (128, 64, 8, 3, F
 def ws_row(dt, b, h, n, d) -> str:
     """Which configs keep the bare probe's speed inside the full kernel (its kv_len, ragged-block
     and epilogue code around the loop)?"""
-    from kernels import _flash_fwd_kernels as kern
-    from kernels.flash import _bucket, _no_lengths
+    from kernels.jit import flash_fwd as kern
+    from kernels.plan import _bucket, _no_lengths
 
     torch.manual_seed(0)
     q, k, v = _qkv(b, h, h, n, n, d, dt)
@@ -232,8 +232,8 @@ def _split_configs():
     """Within: the 16-bit split kernel runs whichever single config ``_config_cells`` sets, untuned."""
     import os
 
-    from kernels import _flash_fwd_kernels as kern
     from kernels import flash
+    from kernels.jit import flash_fwd as kern
 
     saved = kern._SPLIT_16BIT[:]
     os.environ["ATTNSERVE_AUTOTUNE"] = "0"  # the first (only) config of the list
@@ -247,8 +247,8 @@ def _split_configs():
 
 def _config_cells(fn, ref, mb, configs) -> list[str]:
     """fn() with each split config in turn: do_bench and graph ("g") GB/s, flagged when wrong."""
-    from kernels import _flash_fwd_kernels as kern
     from kernels import flash
+    from kernels.jit import flash_fwd as kern
 
     cells = []
     for bm, bn, w, st in configs:
@@ -346,8 +346,8 @@ STAGE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 def stage_rows() -> list[str]:
     """The shipped split config with 3 stages (two programs an SM) and with 2 (three), B = 1 to 16:
     do_bench and graph GB/s, and whether the two gave the same bits."""
-    from kernels import _flash_fwd_kernels as kern
     from kernels import flash
+    from kernels.jit import flash_fwd as kern
 
     rows = []
     with _split_configs():

@@ -89,7 +89,7 @@ def attention(
 
 def freeze_autotuning(frozen: bool = True) -> None:
     """From now on, shapes the autotuner has not tuned run a default config instead of being tuned
-    on the spot (a service calls this after its warm-up; see ``kernels.flash.freeze_autotuning``)."""
-    from .flash import freeze_autotuning as freeze
+    on the spot (a service calls this after its warm-up; see ``kernels.launch.freeze_autotuning``)."""
+    from .launch import freeze_autotuning as freeze
 
     freeze(frozen)

@@ -1,6 +1,6 @@
 """Gradients through the Triton kernels: a ``torch.autograd.Function`` whose forward runs
 ``flash_forward`` and saves only q, k, v, o and the row LSE, and whose backward recomputes P block
-by block (``kernels/_flash_bwd_kernels.py``).
+by block (``kernels/jit/flash_bwd.py``).
 
 The backward is deterministic: every dQ/dK/dV element is summed in one program's registers in a
 fixed order (no atomics), GQA's dK/dV sums over the group included.
@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import _flash_bwd_kernels as kern
-from .flash import _bucket, block_d, flash_forward, kv_length_arg, launch
+from .flash import flash_forward
+from .jit import flash_bwd as kern
+from .launch import launch
+from .plan import _bucket, block_d, kv_length_arg
 
 
 def flash_backward(

@@ -1,4 +1,4 @@
-"""Launcher of the seed's FlashAttention V1 (``kernels/_flash_v1_kernels.py``).
+"""Launcher of the seed's FlashAttention V1 (``kernels/jit/flash_v1.py``).
 
 ``flash_v1_forward(q, k, v, *, causal, scale, kv_lengths=None) -> (o, lse)``
 
@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import _flash_v1_kernels as kern
-from .flash import SPLIT_KEY_QUANTUM, _num_sms, block_d, combine, kv_length_arg, launch, split_keys
+from .flash import combine
+from .jit import flash_v1 as kern
+from .launch import launch
+from .plan import SPLIT_KEY_QUANTUM, _num_sms, block_d, kv_length_arg, split_keys
 
 MAX_SPLITS = 8
 

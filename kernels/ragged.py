@@ -276,11 +276,9 @@ def cached_plan(q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_starts: tupl
 # ---- launches ----
 
 def plain_launcher() -> Callable:
-    """The project's cached launcher of plain ``@triton.jit`` kernels (``flash.launch_plain``)."""
-    try:  # the launch cache may live in kernels/launch.py (the kernels/ reorganisation)
-        from .launch import launch_plain  # type: ignore[import-not-found]
-    except ImportError:
-        from .flash import launch_plain
+    """The project's cached launcher of plain ``@triton.jit`` kernels (``launch.launch_plain``)."""
+    from .launch import launch_plain
+
     return launch_plain
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import hopper, launch
 from kernels.flash import flash_forward
 from kernels.flash_v1 import flash_v1_forward
 from kernels.reference import reference_attention
@@ -191,15 +192,15 @@ import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from kernels import _flash_fwd_gluon as kg
-from kernels import flash
+from kernels.jit import gluon_fwd as kg
+from kernels import hopper
 
 dtype, has_kv_len, causal = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 fn = kg.attn_fwd_ws
 t = torch.empty(1, 1, 128, 128, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 sig = dict.fromkeys(fn.arg_names, "i32")
-for name, rows in dict(desc_q=64, desc_k=flash._GLUON_BLOCK_N, desc_v=flash._GLUON_BLOCK_N, desc_o=64).items():
-    sig[name] = mangle_type(flash._descriptor(t, rows))  # the launcher's own descriptors
+for name, rows in dict(desc_q=64, desc_k=hopper._GLUON_BLOCK_N, desc_v=hopper._GLUON_BLOCK_N, desc_o=64).items():
+    sig[name] = mangle_type(hopper._descriptor(t, rows))  # the launcher's own descriptors
 sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
 consts = {}
 for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=232).items():
@@ -246,8 +247,8 @@ def test_gluon_path_rules(monkeypatch):
 
     q, k, v = (torch.empty(2, 4, 4096, 128, dtype=torch.float16) for _ in range(3))
     assert not flash.gluon_path(q, k, v, False, 1, 1), "a CPU tensor"
-    monkeypatch.setattr(flash, "_hopper", lambda device: True)
-    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    monkeypatch.setattr(hopper, "_hopper", lambda device: True)
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
     assert flash.gluon_path(q, k, v, False, 1, 1) and flash.gluon_path(q, k, v, True, 1, 1)
     assert not flash.gluon_path(q[..., :64], k[..., :64], v[..., :64], False, 1, 1), "D = 64: attn_fwd_tma is as fast"
     assert not flash.gluon_path(q.float(), k.float(), v.float(), False, 1, 1), "fp32"
@@ -273,19 +274,19 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from triton.compiler import ASTSource
-from kernels import _flash_decode_gluon as kd
-from kernels import _flash_fwd_kernels as kf
-from kernels import flash
+from kernels.jit import gluon_decode as kd
+from kernels.jit import flash_fwd as kf
+from kernels import hopper
 
 dtype, d, pack, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 fn = kd.attn_decode
 t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 sig = dict.fromkeys(fn.arg_names, "i32")
-sig.update(desc_k=mangle_type(flash._descriptor(t, flash.DECODE_BLOCK_N[d])), Q="*" + dtype, O="*fp32",
+sig.update(desc_k=mangle_type(hopper._descriptor(t, hopper.DECODE_BLOCK_N[d])), Q="*" + dtype, O="*fp32",
            LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
 sig["desc_v"] = sig["desc_k"]
 consts = {}
-for name, value in dict(PACK=pack, HAS_KV_LEN=True, IS_CAUSAL=causal, STAGES=flash.DECODE_STAGES,
+for name, value in dict(PACK=pack, HAS_KV_LEN=True, IS_CAUSAL=causal, STAGES=hopper.DECODE_STAGES,
                        SIGNAL_MERGE=True).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
@@ -325,8 +326,8 @@ def test_decode_path_rules(monkeypatch):
     q = torch.empty(2, 32, 1, 128, dtype=torch.bfloat16)
     k, v = (torch.empty(2, 8, 8192, 128, dtype=torch.bfloat16) for _ in range(2))
     assert not flash.decode_path(q, k, v, 4, 16), "a CPU tensor"
-    monkeypatch.setattr(flash, "_hopper", lambda device: True)
-    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    monkeypatch.setattr(hopper, "_hopper", lambda device: True)
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
     assert flash.decode_path(q, k, v, 4, 16) and flash.decode_path(q, k, v, 4, 1) and flash.decode_path(q, k, v, 1, 16)
     assert not flash.decode_path(q, k, v, 1, 1), "neither packed nor split: a prefill kernel's problem"
     assert not flash.decode_path(q.expand(2, 32, 17, 128), k, v, 4, 1), "4 x 17 rows > 64"
@@ -342,32 +343,30 @@ def test_decode_path_rules(monkeypatch):
 
 def test_causal_heads_per_group_fit_l2(monkeypatch):
     """As many heads as have their K/V fit in twice the L2, split into even groups."""
-    from kernels import flash
 
-    monkeypatch.setattr(flash, "_l2_bytes", lambda device: 50 * 2**20)
+    monkeypatch.setattr(hopper, "_l2_bytes", lambda device: 50 * 2**20)
     k = torch.empty(1, 32, 4096, 128, dtype=torch.float16)  # 2 MiB of K and V per head
-    assert flash.causal_heads_per_group(k, 32, 1) == 32, "64 MiB: all at once"
-    assert flash.causal_heads_per_group(k, 128, 1) == 43, "three even groups of <= 50"
-    assert flash.causal_heads_per_group(k, 128, 4) == 128, "GQA: four query heads read one kv head's"
-    assert flash.causal_heads_per_group(torch.empty(1, 8, 131072, 128, dtype=torch.float16), 8, 1) == 1
+    assert hopper.causal_heads_per_group(k, 32, 1) == 32, "64 MiB: all at once"
+    assert hopper.causal_heads_per_group(k, 128, 1) == 43, "three even groups of <= 50"
+    assert hopper.causal_heads_per_group(k, 128, 4) == 128, "GQA: four query heads read one kv head's"
+    assert hopper.causal_heads_per_group(torch.empty(1, 8, 131072, 128, dtype=torch.float16), 8, 1) == 1
 
 
 def test_gluon_descriptor_strides():
     """A dim of 1 gets the stride it would have if contiguous; the others keep their own."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels import flash
 
     bnhd = torch.empty(3, 4096, 4, 128, dtype=torch.float16).transpose(1, 2)
-    d = flash._descriptor(bnhd, 64)
+    d = hopper._descriptor(bnhd, 64)
     assert d.strides == [4096 * 4 * 128, 128, 4 * 128, 1] and d.block_shape == [1, 1, 64, 128]
     one = torch.empty(8, 4, 4096, 128, dtype=torch.float16)[:1, :1].expand(1, 1, -1, -1)
-    assert flash._descriptor(one, 128).strides == [4096 * 128, 4096 * 128, 128, 1]
+    assert hopper._descriptor(one, 128).strides == [4096 * 128, 4096 * 128, 128, 1]
     # stride 0 over a dim of 1 (expand of a lone head)
     lone = torch.empty(1, 1, 4096, 128, dtype=torch.float16).expand(1, 1, 4096, 128).as_strided(
         (1, 1, 4096, 128), (0, 0, 128, 1))
-    assert flash._descriptor(lone, 128).strides == [4096 * 128, 4096 * 128, 128, 1]
-    for d in (flash._descriptor(bnhd, 64), flash._descriptor(one, 128), flash._descriptor(lone, 128)):
+    assert hopper._descriptor(lone, 128).strides == [4096 * 128, 4096 * 128, 128, 1]
+    for d in (hopper._descriptor(bnhd, 64), hopper._descriptor(one, 128), hopper._descriptor(lone, 128)):
         # what it skipped: Triton's own checks of these fields
         TensorDescriptor(d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding)
 
@@ -421,10 +420,9 @@ def test_gpu_split_counts_agree(splits):
 
 @pytest.mark.gpu
 def test_gpu_launch_cache_follows_data_and_alignment():
-    """Repeated launches of one signature reuse the compiled kernel (kernels.flash.launch): each
+    """Repeated launches of one signature reuse the compiled kernel (kernels.launch.launch): each
     call must still read its own tensors, and a view whose data pointer is not 16-byte aligned
     must get a kernel compiled for that, not the aligned one."""
-    from kernels import flash
 
     case = (2, 4, 2, 97, 97, 64, True, [97, 40])
     runs = []
@@ -433,10 +431,10 @@ def test_gpu_launch_cache_follows_data_and_alignment():
         runs.append((q, k, v, causal, scale, kvl))
     for i, (q, k, v, causal, scale, kvl) in enumerate(runs + runs):  # the second pass hits the cache
         if i == len(runs):
-            seen = len(flash._compiled)
+            seen = len(launch._compiled)
         o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl)
         check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
-    assert len(flash._compiled) == seen
+    assert len(launch._compiled) == seen
     q, k, v, causal, scale, kvl = runs[0]
     flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
     q_odd = flat[1:].view(q.shape)  # 2 bytes past an aligned address
@@ -451,8 +449,7 @@ def test_gpu_launch_cache_follows_data_and_alignment():
 def test_gpu_every_tma_config(d, monkeypatch, poisoned_empty):
     """Each config the TMA kernel's autotuner may pick is checked on its own: a warp-specialised
     config gave NaN on the H200 once (128/64/w4/s3), so none is listed unseen."""
-    from kernels import _flash_fwd_kernels as kern
-    from kernels import flash
+    from kernels.jit import flash_fwd as kern
 
     monkeypatch.setenv("ATTNSERVE_AUTOTUNE", "0")  # the first pruned config: the one patched in
     cases = [((1, 8, 8, 2048, 2048, d, False, None), torch.bfloat16),
@@ -460,12 +457,12 @@ def test_gpu_every_tma_config(d, monkeypatch, poisoned_empty):
              ((2, 8, 2, 1100, 3000, d, False, [3000, 0]), torch.float16)]
     for cfg in list(kern.TMA_CONFIGS[d]):
         monkeypatch.setitem(kern.TMA_CONFIGS, d, [cfg])
-        flash._compiled.clear()
+        launch._compiled.clear()
         for case, dtype in cases:
             q, k, v, causal, scale, kvl = make(case, dtype, "cuda")
             o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True, gluon=False)
             check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
-    flash._compiled.clear()
+    launch._compiled.clear()
 
 
 @pytest.mark.gpu
@@ -475,7 +472,7 @@ def test_gpu_every_tma_config(d, monkeypatch, poisoned_empty):
     ((2, 32, 8, 1, 3000, 128, False, [3000, 1234]), None),   # a split decode and its merge
 ])
 def test_gpu_launches_alike_with_a_profiler_hook(case, tma):
-    """Cached launches call Triton's compiled launcher directly (``flash._run``), allocating a
+    """Cached launches call Triton's compiled launcher directly (``launch._run``), allocating a
     kernel's global scratch themselves; with a profiler's launch hook set they go through Triton's
     own runner, which calls the hook. Both ways must give the same bits."""
     import triton
@@ -534,12 +531,11 @@ def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
 def test_gpu_gluon_causal_grid_orders(heads_per_group, monkeypatch, poisoned_empty):
     """The causal schedule's groups of heads (3: five groups of 3 and a last one of 1 among 16 heads;
     256 tiles): every (row block, head) runs once, and the order changes no bit."""
-    from kernels import flash
 
     q, k, v, causal, scale, kvl = make((2, 8, 2, 2000, 2100, 128, True, [2100, 640]), torch.bfloat16, "cuda")
     want = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
-    monkeypatch.setattr(flash, "causal_heads_per_group", lambda k, heads, group: heads_per_group)
-    monkeypatch.setattr(flash, "_recipes", {})  # the problem's kept launch has the real groups
+    monkeypatch.setattr(hopper, "causal_heads_per_group", lambda k, heads, group: heads_per_group)
+    monkeypatch.setattr(hopper, "_recipes", {})  # the problem's kept launch has the real groups
     o, lse = flash_forward(q, k, v, causal=True, scale=scale, kv_lengths=kvl, tma=True)
     check_against_reference(o, lse, q, k, v, True, scale, kvl, abs_slack=2e-3)
     assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
@@ -561,13 +557,13 @@ def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(causal, monkeypatch
 
 
 def _spy(monkeypatch, launcher: str) -> list[int]:
-    """The batch size of each call of ``flash.<launcher>`` (one whose first argument is q): which
+    """The batch size of each call of ``hopper.<launcher>`` (one whose first argument is q): which
     kernel served a call."""
-    from kernels import flash
+    from kernels import hopper
 
     ran = []
-    real = getattr(flash, launcher)
-    monkeypatch.setattr(flash, launcher, lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    real = getattr(hopper, launcher)
+    monkeypatch.setattr(hopper, launcher, lambda *a: ran.append(a[0].shape[0]) or real(*a))
     return ran
 
 
@@ -674,9 +670,9 @@ def test_gpu_recipe_follows_new_tensors(kind, case, monkeypatch):
         o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
         check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
         if kind == "decode":
-            fresh = flash._DecodeRecipe(q, k, v, kvl, causal, *flash.plan(b, hq, hkv, n_q, n_k, q.device))
+            fresh = hopper._DecodeRecipe(q, k, v, kvl, causal, *flash.plan(b, hq, hkv, n_q, n_k, q.device))
         else:
-            fresh = flash._GluonRecipe(q, k, v, kvl, causal)
+            fresh = hopper._GluonRecipe(q, k, v, kvl, causal)
         o2, lse2 = fresh(q, k, v, kvl, scale)
         assert torch.equal(o, o2) and torch.equal(lse, lse2), "a kept recipe answers as a new one"
         if kind == "decode":

@@ -14,7 +14,7 @@ key range too (FA1 split the K/V loop the same way). Inside it:
 What differs from the printed kernel: O is carried in float32 (not rounded to the input dtype on
 every pass), masks (bottom-right causal, kv_lengths, ragged ends, padded head dim) are applied as
 -inf before step 2, and a row with no visible key keeps m = -inf, l = 0 without producing NaN.
-A last pass turns (m, l) into lse = m + ln l for ``attn_combine`` (kernels/_flash_fwd_kernels.py),
+A last pass turns (m, l) into lse = m + ln l for ``attn_combine`` (kernels/jit/flash_fwd.py),
 which merges the key slices and writes o in the input dtype.
 """
 

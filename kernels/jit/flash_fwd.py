@@ -330,19 +330,16 @@ def _cfg(bm, bn, w, s):
 _PREFILL = {
     64: [_cfg(128, 128, 8, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 4, 3), _cfg(64, 64, 4, 4),
          _cfg(64, 128, 4, 3),
-         # short sequences (N <= 1k): narrower key blocks win (H200, CUDA-graph timing, 2026-11-30)
+         # short sequences (N <= 1k): narrower key blocks win (see docs/benchmarks/kernels.md#prefill)
          _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3), _cfg(128, 32, 4, 3)],
     128: [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 128, 8, 2),
           _cfg(64, 64, 4, 3), _cfg(64, 128, 4, 3)],   # BLOCK_M 64: more programs for short N
     256: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 3)],
 }
 _PREFILL_FP32 = [_cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(32, 64, 4, 2)]
-# Split-KV (decode) at D <= 128, 16-bit: one config, not tuned. Measured on the H200 (bf16, Hq 32 /
-# Hkv 8, D 128, CUDA-graph replay, 2026-11-30): 16/64/w4/s3 was the best, or within 2% of it, of the
-# configs tried (BLOCK_N 64/128/256, 2 or 4 warps, 2-4 stages) at B 1 and 16, Nk 8k-64k, 16 splits
-# (docs/benchmarks/kernels.md, ninth session). Tuning it per key did harm: the key
-# cannot hold B (see plan()), so it was tuned at whatever B came first, often B = 1, where every
-# config times alike within the host's noise (B = 16, Nk = 8k ran at 3,290 GB/s on such a pick).
+# Split-KV (decode) at D <= 128, 16-bit: one config, not tuned. The autotuning key cannot hold B
+# (plan() never depends on it), so a tuned config would come from whichever batch size was tuned
+# first; this one is the best or near it at every B (see docs/benchmarks/kernels.md#decode).
 _SPLIT_16BIT = [_cfg(16, 64, 4, 3)]
 _SPLIT_D256 = [_cfg(16, 64, 4, 4), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3)]
 _SPLIT = _SPLIT_16BIT + _SPLIT_D256
@@ -353,9 +350,9 @@ def _d_class(block_d: int) -> int:
     return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
 
 
-# Fewer than 512 keys at D <= 64: only these, the fastest there, the first the default. H200,
-# 64x12x128x64 (TFLOP/s, bf16 / fp16): 124 / 121, 120 / 124, 115 / 117 against 80-108 for the rest,
-# so an untuned launch (ATTNSERVE_AUTOTUNE=0, a key unseen when frozen) no longer runs 128/128 (82).
+# Fewer than 512 keys at D <= 64: only these, the fastest there, the first the default, so that an
+# untuned launch (ATTNSERVE_AUTOTUNE=0, a key unseen when frozen) runs a narrow-key config
+# (see docs/benchmarks/kernels.md#prefill).
 _SHORT_64 = [_cfg(128, 32, 4, 3), _cfg(64, 32, 4, 3), _cfg(64, 64, 4, 2)]
 _SHORT_KEYS_BUCKET = 8  # N_K_BUCKET = floor(log2 Nk): Nk < 512
 
@@ -382,11 +379,9 @@ def _tma_cfg(bm, bn, w, s, ws):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws}, num_warps=w, num_stages=s)
 
 
-# Measured on the H200 (python -m bench.fwd_tma_probe --ws, 2026-11-30), TFLOP/s fp16 1x32xNx128:
-# warp-specialised 128/64/w4/s2 516 (N 4k) / 528 (16k), plain 128/128/w8/s3 484 / 507, attn_fwd 479 /
-# 501; 4x32x4096x64: plain 128/64/w8/s3 414, attn_fwd 396. Warp-specialised 128/128/w4/s2 ran at
-# 173-291 in this kernel, and 128/64/w4/s3 gave NaN: a config is listed only once seen correct and
-# fast on the GPU (tests/test_triton_forward.py checks each one alone).
+# A config is listed only once seen correct and fast inside this kernel on the GPU (some that are
+# fast alone are slow here, one warp-specialised config gives NaN; tests/test_triton_forward.py
+# checks each one alone; see docs/benchmarks/kernels.md#tma).
 TMA_CONFIGS = {
     64: [_tma_cfg(128, 64, 8, 3, False), _tma_cfg(128, 64, 4, 3, False)],
     128: [_tma_cfg(128, 64, 4, 2, True), _tma_cfg(128, 128, 8, 3, False)],

@@ -1,22 +1,19 @@
 """The Hopper decode forward in Gluon: split-KV with K/V streamed by TMA.
 
-Only ``@gluon.jit`` code lives here; ``kernels/flash.py`` decides when it runs (``decode_path``),
+Only ``@gluon.jit`` code lives here; ``kernels/hopper.py`` decides when it runs (``decode_path``),
 builds the K/V descriptors, launches it and merges the splits (``attn_combine``). A program is one
 split of the keys of one (batch, head pack): up to 64 query rows (the GQA group of a kv head ×
 Nq, or Nq rows of one head), padded to a wgmma's 64.
 
 One thread asks the TMA engine for whole K and V blocks, ``STAGES`` ahead, and a stage is refilled
-as soon as its GEMM is done (K right after S = Q Kᵀ, before the softmax; V after P V). Against the
-Triton split kernel (``attn_fwd`` with ``PACK``, same plan and merge) on the H200, device time:
-+2-5% at D 128 and B = 1, +1-2% at B = 16; +28% at D 64, B = 1, 32k keys, +9% at B = 16, 64k. Not
-from the copies' depth: more stages or wider blocks were no faster. Host time: ~20 us more a call
-(Triton's launcher encodes the two descriptors on every launch), which an eager B = 1 decode waits
-for (docs/benchmarks/kernels.md, thirteenth session).
+as soon as its GEMM is done (K right after S = Q Kᵀ, before the softmax; V after P V). It is faster
+on the device than the Triton split kernel (``attn_fwd`` with ``PACK``, same plan and merge); more
+stages or wider blocks are not (see docs/benchmarks/kernels.md#decode).
 
-The online softmax is ``_flash_fwd_kernels.py``'s (base 2, scale folded in); each split stores its
+The online softmax is ``jit/flash_fwd.py``'s (base 2, scale folded in); each split stores its
 O normalised by its own l, in fp32, with its lse, or, unsplit, the final o in q's dtype. Split, the
 merge is launched as a programmatic dependent: each program lets it be scheduled once its key loop
-is done (``SIGNAL_MERGE``), and the merge waits for the whole grid (``flash._DecodeRecipe``).
+is done (``SIGNAL_MERGE``), and the merge waits for the whole grid (``hopper._DecodeRecipe``).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._flash_fwd_gluon import _box, _finite
+from .gluon_fwd import _box, _finite
 
 ROWS = gl.constexpr(64)  # query rows per program: the M of one wgmma
 
@@ -108,9 +105,8 @@ def attn_decode(
         + (r % N_Q).to(gl.int64) * stride_qn
     q_ptrs = Q + gl.expand_dims(q_rows, 1) + gl.expand_dims(d.to(gl.int64) * stride_qd, 0)
     q_ok = gl.expand_dims(r < PACK * N_Q, 1) & gl.expand_dims(d < D, 0)
-    # Q goes through shared memory, as attn_fwd_ws's does: read from registers, wgmma gave wrong
-    # blocks after the first wherever BLOCK_N == D (H200, Triton 3.6), where Q's register layout
-    # is P's
+    # Q goes through shared memory, as attn_fwd_ws's does: read from registers, wgmma gives wrong
+    # blocks after the first wherever BLOCK_N == D (Triton 3.6), where Q's register layout is P's
     q = gl.allocate_shared_memory(dtype, [ROWS, D], row_layout, gl.load(q_ptrs, mask=q_ok, other=0.0))
     fence_async_shared()
 
@@ -158,8 +154,8 @@ def attn_decode(
 
     if SIGNAL_MERGE:
         # once every program is here the merge's programs may take SMs this grid no longer needs;
-        # they wait (griddepcontrol.wait) for its end. At the kernel's start instead, they sat on
-        # the SMs while splits still ran: 1-5% slower (fourteenth session)
+        # they wait (griddepcontrol.wait) for its end. Signalled at the kernel's start, they would
+        # sit on SMs that splits still need (see docs/benchmarks/kernels.md#decode)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     # a row that saw no key (kv_len 0, an empty split, causal rows above the first key) -> 0, -inf

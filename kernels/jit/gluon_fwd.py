@@ -1,13 +1,13 @@
 """The Hopper prefill forward in Gluon: FA3's warp specialisation, written out by hand.
 
-Only ``@gluon.jit`` code lives here; ``kernels/flash.py`` decides when it runs (``gluon_path``),
+Only ``@gluon.jit`` code lives here; ``kernels/hopper.py`` decides when it runs (``gluon_path``),
 builds its TMA descriptors and launches it. A tile is a 128-row Q block of one (batch, head); a
 program works through its tiles (``_work`` gives their order) with three roles side by side:
 
 - a producer warp copies each tile's Q once both consumers are done with the last one's, then K_j
   and V_j by TMA into two stages each, a stage only once both consumers have released it
   (``k_empty`` / ``v_empty``, one arrival per consumer). Its ring runs on across tiles;
-- two consumer warpgroups, 64 rows each, run the online softmax of ``_flash_fwd_kernels.py``
+- two consumer warpgroups, 64 rows each, run the online softmax of ``jit/flash_fwd.py``
   (base 2, scale folded in). Within a warpgroup the S_j = Q K_jᵀ of block j is issued before the
   P_{j-1} V_{j-1} of block j-1, so its softmax overlaps the tensor cores' second GEMM; the two
   warpgroups drift apart freely (no CTA-wide barrier in the loop), so one's softmax also
@@ -17,8 +17,7 @@ program works through its tiles (``_work`` gives their order) with three roles s
 Causal (bottom-right) tiles load no key block past their last row's diagonal and mask only the
 blocks that cross a warpgroup's diagonal. What Triton's own ``warp_specialize`` of ``attn_fwd_tma``
 could not express: that overlap inside a warpgroup, stages released per consumer, and a pipeline
-that runs across tiles (H200, fp16 1x32x4096x128: 582-611 TFLOP/s against ``attn_fwd_tma``'s 498;
-causal 464 against ``attn_fwd``'s 387; docs/benchmarks/kernels.md, twelfth session).
+that runs across tiles; hence it is faster than both at D 128 (see docs/benchmarks/kernels.md#gluon).
 """
 
 from __future__ import annotations
