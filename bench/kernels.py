@@ -1,6 +1,6 @@
 """Benchmark of the attention kernels on one GPU, every provider side by side in one run.
 
-    PYTHONPATH=$PWD python3 bench/kernels.py --out-dir docs/benchmarks [--budget-s 400]
+    PYTHONPATH=$PWD python3 bench/kernels.py --out-dir docs/benchmarks [--budget-s 400] [--section paged]
 
 Providers: flash, flash_v1 (ours, Triton) and torch SDPA forced to each backend (flash, cuDNN,
 efficient, math). TFLOP/s counts 4·B·Hq·Nq·Nk·D (half when causal; backward 2.5x the forward,
@@ -395,11 +395,12 @@ def main() -> None:
     ap.add_argument("--out-dir", default="docs/benchmarks")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new shapes after this")
     ap.add_argument("--sections", default="forward,long,decode,backward",
-                    help="comma-separated subset of forward, long, decode, backward")
+                    help="comma-separated subset of forward, long, decode, backward, paged (bench/paged.py)")
+    ap.add_argument("--section", help="one section alone (e.g. --section paged): the same as --sections NAME")
     ap.add_argument("--causal", choices=("all", "only", "none"), default="all",
                     help="forward and long-N rows: all, only the causal ones, or only the non-causal ones")
     args = ap.parse_args()
-    sections = set(args.sections.split(","))
+    sections = {args.section} if args.section else set(args.sections.split(","))
 
     def rows_of(table):  # (dtype, B, H, N, D, causal) rows kept by --causal
         return [r for r in table if args.causal == "all" or r[-1] == (args.causal == "only")]
@@ -419,6 +420,12 @@ def main() -> None:
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "command": "PYTHONPATH=$PWD python3 " + " ".join(sys.argv)}
     log(f"{meta}")
+    if "paged" in sections:
+        from bench.paged import bench_paged
+
+        bench_paged(out_dir, log, out_of_time, meta)
+        if sections == {"paged"}:
+            return  # kernels.md holds the other sections: leave it as it is
     log("forward, anchor shapes")
     fwd = bench_forward(rows_of(ANCHORS), FWD_PROVIDERS, log) if "forward" in sections else []
     log("long N")

@@ -2,6 +2,8 @@
 
     from kernels import attention
     o = attention(q, k, v, causal=False, scale=None, kv_lengths=None, return_lse=False, kernel="auto")
+
+Ragged and paged batches (API.md §5): ``attention_varlen``, ``attention_paged``, ``append_paged``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from .errors import (
     KVLengthsError,
     ShapeError,
 )
+from .paged import append_paged, attention_paged
+from .ragged import BlockTableError, SeqLensError
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnSpec, check_inputs
+from .varlen import attention_varlen
 from .warmup import warmup
 
 __all__ = [
@@ -27,13 +32,18 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "AttentionInputError",
     "AttnSpec",
+    "BlockTableError",
     "DTypeError",
     "DeviceMismatchError",
     "HeadDimError",
     "KVLengthsError",
     "KernelUnavailableError",
+    "SeqLensError",
     "ShapeError",
+    "append_paged",
     "attention",
+    "attention_paged",
+    "attention_varlen",
     "check_inputs",
     "choose",
     "freeze_autotuning",

@@ -1,0 +1,244 @@
+"""Benchmark sections of ragged and paged attention, run from bench/kernels.py (``--sections paged``):
+
+- ragged prefill: 16 causal sequences of 128..8k tokens in one ``attention_varlen`` call, against
+  one ``kernels.attention(kernel="flash")`` launch per sequence, SDPA per sequence and
+  FlexAttention with a document mask (TFLOP/s of the causal FLOPs, ``do_bench`` medians);
+- paged decode: B 1..256, equal and mixed lengths 1k..64k, pages of 16 and 64 tokens: GB/s of K+V
+  read, device time (the kernels replayed from a CUDA graph, inputs rotated among copies that
+  together exceed L2 several times), against the contiguous decode of ``kernels.attention`` at the
+  same lengths (``kv_lengths`` where mixed), and the public call's wall time (its host work and
+  its device-to-host copy of the lengths included);
+- chunked prefill against a paged cache: Nq 256..2k query rows against 4k..32k keys, against the
+  contiguous causal ``kernels.attention``.
+
+Every row logs as it finishes; ``paged.md`` in --out-dir gathers them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from bench.timing import rotated_ms
+from kernels import attention, attention_paged, attention_varlen
+from kernels.flash import flash_forward
+from kernels.ragged import flash_ragged
+
+HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
+L2_ROTATE = 300e6  # bytes of distinct inputs per rotation: five H200 L2s
+PREFILL_LENS = [128, 8192, 512, 3000, 256, 6000, 1024, 200, 4096, 700, 2048, 1500, 5000, 384, 7000, 160]
+DECODE = [  # (B, lengths: an int (equal) or (lo, hi) (mixed, seeded uniform))
+    (1, 8192), (1, 65536), (16, 8192), (16, 32768), (64, 8192), (256, 1024), (256, 4096),
+    (16, (1024, 65536)), (64, (1024, 16384)), (256, (1024, 8192)),
+]
+PAGES = [16, 64]
+CHUNKS = [(4, 256, 4096), (4, 1024, 16384), (2, 2048, 32768), (4, 2048, 4096)]  # (B, Nq, Nk)
+
+
+def causal_flops(n_q: int, n_k: int) -> float:
+    """4·Hq·D × the (query, key) pairs one causal sequence sees (bottom-right, n_q <= n_k)."""
+    return 4.0 * HQ * D * (n_q * n_k - n_q * (n_q - 1) / 2)
+
+
+def cu(lens, device="cuda") -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def paged_cache(lens, page: int, seed: int):
+    """Pages holding each sequence's keys in shuffled pages, the block table and cache_lens."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    need = [math.ceil(n / page) for n in lens]
+    n_pages = sum(need)
+    kp = torch.randn(n_pages, page, HKV, D, device="cuda", dtype=DTYPE, generator=g)
+    vp = torch.randn(n_pages, page, HKV, D, device="cuda", dtype=DTYPE, generator=g)
+    perm = torch.randperm(n_pages, device="cuda", generator=g).to(torch.int32)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32, device="cuda")
+    at = 0
+    for s, n in enumerate(need):
+        table[s, :n] = perm[at:at + n]
+        at += n
+    return kp, vp, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def n_copies(nbytes: float, cap: int = 8) -> int:
+    return max(1, min(cap, math.ceil(L2_ROTATE / max(nbytes, 1)) + 1))
+
+
+def bench_ragged_prefill(log) -> list[dict]:
+    lens = PREFILL_LENS
+    q, k, v = (torch.randn(sum(lens), h, D, device="cuda", dtype=DTYPE) for h in (HQ, HKV, HKV))
+    cu_s = cu(lens)
+    flops = sum(causal_flops(n, n) for n in lens)
+    starts = cu_s.tolist()
+    views = [(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None])
+             for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    row: dict = {"seqs": len(lens), "tokens": sum(lens)}
+
+    def varlen():
+        return attention_varlen(q, k, v, cu_s, cu_s, causal=True)
+
+    def per_seq_flash():
+        return [attention(*t, causal=True, kernel="flash") for t in views]
+
+    def per_seq_sdpa():
+        return [F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True) for t in views]
+
+    providers = {"varlen": varlen, "flash_per_seq": per_seq_flash, "sdpa_per_seq": per_seq_sdpa}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        block_mask = create_block_mask(mask_mod, 1, 1, sum(lens), sum(lens), device="cuda")
+        flex = torch.compile(flex_attention)
+        q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+        providers["flex_doc_mask"] = lambda: flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)
+    except Exception as exc:  # noqa: BLE001 - a provider that cannot run says why
+        row["flex_doc_mask"] = "err"
+        log(f"  flex attention: {type(exc).__name__}: {str(exc)[:160]}")
+    for name, fn in providers.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+            row[name] = round(flops / ms / 1e9)
+        except Exception as exc:  # noqa: BLE001
+            row[name] = "err"
+            log(f"  ragged prefill {name}: {type(exc).__name__}: {str(exc)[:160]}")
+    mine = varlen()
+    ref = torch.cat([o[0].transpose(0, 1) for o in per_seq_flash()])
+    row["err_vs_flash"] = (mine.float() - ref.float()).abs().max().item()
+    if isinstance(row.get("varlen"), int) and isinstance(row.get("flash_per_seq"), int):
+        row["varlen/flash"] = round(row["varlen"] / row["flash_per_seq"], 3)
+    log("  ragged prefill (TFLOP/s): " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    return [row]
+
+
+def decode_lengths(b: int, spec, seed: int) -> list[int]:
+    if isinstance(spec, int):
+        return [spec] * b
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(spec[0], spec[1] + 1, (b,), generator=g).tolist()
+
+
+def bench_paged_decode(log, out_of_time) -> list[dict]:
+    rows = []
+    for b, spec in DECODE:
+        lens = decode_lengths(b, spec, seed=b)
+        kv_bytes = 2 * sum(lens) * HKV * D * DTYPE.itemsize
+        base = {"B": b, "keys": spec if isinstance(spec, int) else f"{spec[0]}..{spec[1]}"}
+        if out_of_time():
+            rows.append({**base, "skipped": "time"})
+            continue
+        copies = n_copies(kv_bytes)
+        qs = [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+        cu_q = cu([1] * b)
+        # contiguous decode at the same lengths (kv_lengths where they differ)
+        n_max = max(lens)
+        row = dict(base)
+        try:
+            kvl = None if min(lens) == n_max else torch.tensor(lens, dtype=torch.int32, device="cuda")
+            conts = [(q.view(b, HQ, 1, D),
+                      torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE),
+                      torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE)) for q in qs]
+            calls = [functools.partial(flash_forward, *t, causal=True, scale=D ** -0.5, kv_lengths=kvl)
+                     for t in conts]
+            row["contiguous"] = round(kv_bytes / rotated_ms(calls) / 1e6)
+            del conts, calls
+        except Exception as exc:  # noqa: BLE001
+            row["contiguous"] = "err"
+            log(f"  decode contiguous B={b}: {type(exc).__name__}: {str(exc)[:160]}")
+        torch.cuda.empty_cache()
+        for page in PAGES:
+            try:
+                caches = [paged_cache(lens, page, seed=i) for i in range(copies)]
+                # device time: the plan is cached after the first call, so the launches alone replay
+                calls = [functools.partial(flash_ragged, q, kp, vp, [1] * b, lens, causal=True, scale=D ** -0.5,
+                                           block_table=table) for q, (kp, vp, table, _) in zip(qs, caches, strict=True)]
+                row[f"page{page}"] = round(kv_bytes / rotated_ms(calls) / 1e6)
+                kp, vp, table, cl = caches[0]
+                call = functools.partial(attention_paged, qs[0], kp, vp, table, cl, cu_q)
+                ms = do_bench(call, warmup=10, rep=40, return_mode="median")
+                row[f"page{page}_call_us"] = round(ms * 1e3, 1)
+                if isinstance(row.get("contiguous"), int):
+                    row[f"page{page}/contig"] = round(row[f"page{page}"] / row["contiguous"], 3)
+                del caches, calls
+            except Exception as exc:  # noqa: BLE001
+                row[f"page{page}"] = "err"
+                log(f"  decode paged B={b} page={page}: {type(exc).__name__}: {str(exc)[:160]}")
+            torch.cuda.empty_cache()
+        log("  paged decode (GB/s of K+V): " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+    return rows
+
+
+def bench_chunked_prefill(log, out_of_time, page: int = 64) -> list[dict]:
+    rows = []
+    for b, n_q, n_k in CHUNKS:
+        row = {"B": b, "Nq": n_q, "Nk": n_k, "page": page}
+        if out_of_time():
+            rows.append({**row, "skipped": "time"})
+            continue
+        flops = b * causal_flops(n_q, n_k)
+        try:
+            q = torch.randn(b * n_q, HQ, D, device="cuda", dtype=DTYPE)
+            kp, vp, table, cl = paged_cache([n_k] * b, page, seed=0)
+            cu_q = cu([n_q] * b)
+            fn = functools.partial(attention_paged, q, kp, vp, table, cl, cu_q)
+            fn()
+            row["paged"] = round(flops / do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e9)
+            q4 = q.view(b, n_q, HQ, D).transpose(1, 2)
+            k4 = torch.randn(b, HKV, n_k, D, device="cuda", dtype=DTYPE)
+            v4 = torch.randn(b, HKV, n_k, D, device="cuda", dtype=DTYPE)
+            fc = functools.partial(attention, q4, k4, v4, causal=True, kernel="flash")
+            fc()
+            row["contiguous"] = round(flops / do_bench(fc, warmup=10, rep=40, return_mode="median") / 1e9)
+            row["paged/contig"] = round(row["paged"] / row["contiguous"], 3)
+            del q, kp, vp, k4, v4
+        except Exception as exc:  # noqa: BLE001
+            row.setdefault("paged", "err")
+            log(f"  chunked prefill B={b} Nq={n_q} Nk={n_k}: {type(exc).__name__}: {str(exc)[:160]}")
+        torch.cuda.empty_cache()
+        log("  chunked prefill (TFLOP/s): " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def bench_paged(out_dir: Path, log, out_of_time, meta: dict) -> None:
+    """The three sections, logged as they go and written to ``out_dir/paged.md``."""
+    t0 = time.monotonic()
+    log("ragged prefill (16 causal sequences, Hq 32, Hkv 8, D 128, bf16)")
+    prefill = bench_ragged_prefill(log)
+    log("paged decode (Hq 32, Hkv 8, D 128, bf16)")
+    decode = bench_paged_decode(log, out_of_time)
+    log("chunked prefill against a paged cache")
+    chunks = bench_chunked_prefill(log, out_of_time)
+    text = "\n\n".join([
+        "# Ragged and paged attention", f"{meta}",
+        "## Ragged prefill, TFLOP/s (causal FLOPs)", _table(prefill),
+        "## Paged decode, GB/s of K+V (device time, rotated inputs; `_call_us`: the public call's wall time)",
+        _table(decode),
+        "## Chunked prefill against a paged cache, TFLOP/s", _table(chunks),
+        f"section time: {time.monotonic() - t0:.0f} s",
+    ])
+    (out_dir / "paged.md").write_text(text + "\n")
+    log(text)

@@ -1,0 +1,200 @@
+"""Paged attention over a KV cache kept in fixed-size pages, and the append that fills it
+(flash-attn's ``flash_attn_with_kvcache`` conventions, API.md §5).
+
+    from kernels import append_paged, attention_paged
+    append_paged(k_pages, v_pages, block_table, cache_lens, k_new, v_new, cu_seqlens_new)
+    o = attention_paged(q, k_pages, v_pages, block_table, cache_lens + n_new, cu_seqlens_q)
+
+Pages are [P, page_tokens, Hkv, D]; key j of sequence s lives at page ``block_table[s, j //
+page_tokens]``, row ``j % page_tokens``. Decode, chunked prefill and a mix of both go through one
+call: ``kernels/ragged.py`` plans each sequence alone (batch invariance) and the kernels look the
+pages up key by key, so any page size works and slots past a sequence's length are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ShapeError
+from .ragged import (
+    BlockTableError,
+    SeqLensError,
+    check_cu,
+    check_heads,
+    check_index,
+    check_scale,
+    check_tensor3,
+    choose_ragged,
+    flash_ragged,
+    host_ints,
+    on_device,
+    reference_ragged,
+)
+
+
+def _check_pages(k_pages: object, v_pages: object) -> tuple[torch.Tensor, torch.Tensor]:
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must have 4 dims [P, page_tokens, Hkv, D], got shape {list(t.shape)}")
+        if t.shape[0] < 1 or t.shape[1] < 1:
+            raise ShapeError(f"{name} needs at least one page of at least one token, got shape {list(t.shape)}")
+    return k_pages, v_pages
+
+
+def _check_table(block_table: object, cache_lens: object, n_seq: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    bt = check_index("block_table", block_table, 2, device, BlockTableError, "[S, max_pages]")
+    cl = check_index("cache_lens", cache_lens, 1, device, SeqLensError, "[S]")
+    if bt.shape[0] != n_seq or cl.shape[0] != n_seq:
+        raise SeqLensError(f"block_table [S, max_pages] and cache_lens [S] must have S = {n_seq} rows (one per "
+                           f"sequence of cu_seqlens), got {list(bt.shape)} and {list(cl.shape)}")
+    return bt, cl
+
+
+def _check_coverage(lens: list[int], block_table: torch.Tensor, page: int, n_pages: int, what: str) -> None:
+    """Every sequence's table row holds its first cdiv(lens[s], page) pages; on the CPU, also that
+    those entries name existing pages (on a GPU reading the table would cost a device sync)."""
+    max_pages = block_table.shape[1]
+    need = [-(-n // page) for n in lens]
+    short = next((s for s, n in enumerate(need) if n > max_pages), None)
+    if short is not None:
+        raise BlockTableError(f"sequence {short} needs {need[short]} pages for {lens[short]} keys {what} "
+                              f"(page_tokens {page}) but block_table has {max_pages} columns")
+    if block_table.device.type == "cpu" and need:
+        cols = torch.arange(max_pages)[None, :] < torch.tensor(need)[:, None]
+        used = block_table[cols]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= n_pages):
+            s, j = (cols & ((block_table < 0) | (block_table >= n_pages))).nonzero()[0].tolist()
+            raise BlockTableError(f"block_table[{s}, {j}] = {int(block_table[s, j])} names no page "
+                                  f"(there are {n_pages}, indices 0..{n_pages - 1})")
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    kernel: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of S sequences' newest query rows over their keys in a paged cache.
+
+    q: (total_q, heads_q, headdim), sequence s being rows cu_seqlens_q[s]:cu_seqlens_q[s+1];
+    k_pages, v_pages: (num_pages, page_tokens, heads_kv, headdim), any page_tokens >= 1;
+    block_table: int32 (S, max_pages), page indices in any order (pages may be shared; entries past
+    a sequence's last page are ignored); cache_lens: int32 (S,), every key of sequence s, its query
+    rows' own included; cu_seqlens_q: int32 (S + 1,). All index tensors on q's device. The n_s query
+    rows of sequence s are its last n_s tokens: with causal, row i sees keys
+    j <= i + cache_lens[s] - n_s. Slots past cache_lens[s] are never read.
+    Returns o (total_q, heads_q, headdim) in q's dtype and, with return_lse, lse float32
+    (heads_q, total_q); rows that see no key give o = 0 and lse = -inf. Each sequence's answer is
+    bit for bit its answer alone. cu_seqlens_q and cache_lens are read on the host (one small copy);
+    page indices are checked on the CPU only. kernel: "auto", "flash", "reference". No gradients.
+    """
+    q = check_tensor3("q", q)
+    k_pages, v_pages = _check_pages(k_pages, v_pages)
+    _, _, d = check_heads(q, k_pages, v_pages, "k_pages, v_pages")
+    scale = check_scale(scale, d)
+    cu_q = check_index("cu_seqlens_q", cu_seqlens_q, 1, q.device, SeqLensError, "[S + 1]")
+    bt, cl = _check_table(block_table, cache_lens, cu_q.shape[0] - 1, q.device)
+    impl = choose_ragged("paged", q.device, q.dtype, kernel)
+    cq, lens = host_ints(cu_q, cl)
+    q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
+    few = next((s for s, (n, nq) in enumerate(zip(lens, q_lens, strict=True)) if n < nq), None)
+    if few is not None:
+        raise SeqLensError(f"cache_lens[{few}] = {lens[few]} is less than the sequence's {q_lens[few]} query rows "
+                           "(cache_lens counts every key, the query rows' own included)")
+    page = k_pages.shape[1]
+    _check_coverage(lens, bt, page, k_pages.shape[0], "")
+    with torch.no_grad():
+        if impl == "flash":
+            with on_device(q.device):
+                o, lse = flash_ragged(q, k_pages, v_pages, q_lens, lens, causal=bool(causal), scale=scale,
+                                      block_table=bt)
+        else:
+            def keys(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return gather_pages(k_pages, bt[s], lens[s]), gather_pages(v_pages, bt[s], lens[s])
+
+            o, lse = reference_ragged(q, q_lens, keys, causal=bool(causal), scale=scale)
+    return (o, lse) if return_lse else o
+
+
+def gather_pages(pages: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n keys of one sequence, (n, Hkv, D), from pages (P, page_tokens, Hkv, D)."""
+    page = pages.shape[1]
+    idx = table_row[: -(-n // page)].long()
+    return pages.index_select(0, idx).reshape(-1, *pages.shape[2:])[:n]
+
+
+def append_paged(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cu_seqlens_new: torch.Tensor,
+    kernel: str = "auto",
+) -> None:
+    """Write new keys and values into the pages, in place, in one launch.
+
+    k_new, v_new: (total_new, heads_kv, headdim), sequence s being rows
+    cu_seqlens_new[s]:cu_seqlens_new[s+1] (possibly none); they go to positions cache_lens[s],
+    cache_lens[s] + 1, ... of sequence s (key j at page block_table[s, j // page_tokens], row
+    j % page_tokens). cache_lens is the length before the append and is not changed; no other slot
+    is touched. k_pages, v_pages, block_table as for ``attention_paged``.
+    On CUDA (and under TRITON_INTERPRET=1) one Triton kernel writes every row and reads no index on
+    the host (no device sync): a position outside the table or a page index out of range is
+    dropped there, not written. On the CPU the indices are checked first and one index_put per
+    tensor writes the rows. kernel: "auto", "flash" (the Triton kernel), "reference" (index_put).
+    """
+    k_pages, v_pages = _check_pages(k_pages, v_pages)
+    k_new, v_new = check_tensor3("k_new", k_new), check_tensor3("v_new", v_new)
+    if tuple(v_new.shape) != tuple(k_new.shape) or tuple(k_new.shape[1:]) != tuple(k_pages.shape[2:]):
+        raise ShapeError(f"k_new, v_new [T, Hkv, D] must match each other and the pages' [Hkv, D] = "
+                         f"{list(k_pages.shape[2:])}, got {list(k_new.shape)} and {list(v_new.shape)}")
+    check_heads(k_new, k_pages, v_pages, "k_pages, v_pages")
+    check_heads(v_new, k_new, k_new, "k_new")
+    dev = k_pages.device
+    cu = check_index("cu_seqlens_new", cu_seqlens_new, 1, dev, SeqLensError, "[S + 1]")
+    bt, cl = _check_table(block_table, cache_lens, cu.shape[0] - 1, dev)
+    impl = choose_ragged("paged append", dev, k_pages.dtype, kernel)
+    if cu.shape[0] < 1:
+        raise SeqLensError("cu_seqlens_new must have S + 1 >= 1 entries")
+    page, n_pages = k_pages.shape[1], k_pages.shape[0]
+    if dev.type == "cpu":
+        cn, lens = host_ints(cu, cl)
+        new = check_cu("cu_seqlens_new", cn, k_new.shape[0], "new rows")
+        if any(n < 0 for n in lens):
+            raise SeqLensError(f"cache_lens must be >= 0, got {min(lens)}")
+        _check_coverage([a + b for a, b in zip(lens, new, strict=True)], bt, page, n_pages, "after the append")
+    if k_new.shape[0] == 0:
+        return
+    with torch.no_grad():
+        if impl == "flash":
+            with on_device(dev):
+                _append_triton(k_pages, v_pages, bt, cl, k_new, v_new, cu)
+        else:
+            seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=dev), (cu[1:] - cu[:-1]).long())
+            pos = cl.long()[seq] + torch.arange(k_new.shape[0], device=dev) - cu.long()[seq]
+            pg, row = bt.long()[seq, pos // page], pos % page
+            k_pages.index_put_((pg, row), k_new)
+            v_pages.index_put_((pg, row), v_new)
+
+
+def _append_triton(k_pages, v_pages, bt, cl, k_new, v_new, cu) -> None:
+    from .jit.paged import paged_append
+    from .ragged import plain_launcher
+
+    n_seq = cu.shape[0] - 1
+    hkv, d = k_new.shape[1], k_new.shape[2]
+    args = (k_new, v_new, k_pages, v_pages, bt, cl, cu, *k_new.stride(), *v_new.stride(), *k_pages.stride(),
+            *v_pages.stride(), *bt.stride(), n_seq, max(1, n_seq.bit_length()), bt.shape[1], k_pages.shape[0], hkv)
+    consts = dict(D=d, BLOCK_H=1 << (hkv - 1).bit_length(), BLOCK_D=1 << (d - 1).bit_length(), PAGE=k_pages.shape[1])
+    plain_launcher()(paged_append, (k_new.shape[0], 1, 1), args, consts, num_warps=4)

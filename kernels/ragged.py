@@ -1,0 +1,418 @@
+"""Host side of ragged (varlen) and paged attention: checks, the per-sequence plan, the launches,
+the CPU path and the kernel choice. ``kernels/varlen.py`` and ``kernels/paged.py`` are the public
+entry points; the device code is ``kernels/jit/varlen.py``.
+
+One call covers S sequences of any lengths. The host reads the sequences' lengths (one small
+device-to-host copy of the index tensors), plans every sequence alone, and packs the plans into
+one work list: a work item is (sequence, row tile, key split), and one launch per class runs them
+all, so no sequence is padded to the longest.
+
+- "decode" sequences, whose GQA group × n_q query rows fit in ``PACK_ROWS``: a program's rows are
+  the whole group of query heads of one kv head (K/V read once per kv head), BLOCK_M 16; grid
+  (items, Hkv).
+- "prefill" sequences (more rows): a program is BLOCK_M query rows of one head; grid (items, Hq);
+  causal tiles skip the key blocks in their future.
+
+A sequence whose programs alone would leave SMs idle (few query rows, many keys) is split along its
+keys (flash-decoding): each split writes a float32 partial (o, lse), and ``ragged_merge`` combines
+a token's splits in order.
+
+Batch invariance (API.md §9): a sequence's plan — its class, tile sizes, number of splits and
+split boundaries — depends only on its own n_q and n_k and on static configuration (head counts,
+head dim, dtype, the device's SM count), never on S or on the other sequences; and every program
+computes rows of one sequence only. So a sequence's o and lse are bit for bit the same whatever
+shares the launch. Where work items sit in the launch (their order) changes no bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .dispatch import triton_interpret, triton_refusal
+from .errors import (
+    AttentionInputError,
+    DeviceMismatchError,
+    DTypeError,
+    HeadDimError,
+    KernelUnavailableError,
+    KVLengthsError,
+    ShapeError,
+)
+from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
+
+log = logging.getLogger("attnserve.kernels")
+
+RAGGED_KERNELS = ("auto", "flash", "reference")
+PACK_ROWS = 64            # a sequence whose GQA group × n_q rows fit here is planned as decode
+SPLIT_KEY_QUANTUM = 256   # split boundaries are multiples of this many keys (a multiple of every BLOCK_N)
+MAX_SPLITS = 64
+
+
+class SeqLensError(KVLengthsError):
+    """cu_seqlens or cache_lens of the wrong shape, dtype, device or values."""
+
+
+class BlockTableError(AttentionInputError):
+    """A block table of the wrong shape, dtype or device, too short for its sequence, or naming a
+    page that does not exist."""
+
+
+# ---- checks ----
+
+def check_tensor3(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ShapeError(f"{name} must have 3 dims [T, H, D], got shape {list(t.shape)}")
+    return t
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_name: str = "k, v") -> tuple[int, int, int]:
+    """(Hq, Hkv, D) of q (.., Hq, D) and k/v (.., Hkv, D): dtypes, devices, head counts, head dim."""
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise DTypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise DTypeError(f"q and {kv_name} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise DeviceMismatchError(f"q and {kv_name} must be on one device, got {q.device}, {k.device}, {v.device}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ShapeError(f"{kv_name} must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv, dk = k.shape[-2], k.shape[-1]
+    if dk != d:
+        raise ShapeError(f"q has head dim {d} but {kv_name} have head dim {dk}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise HeadDimError(f"head dim {d} is not supported; it must be between 1 and {MAX_HEAD_DIM}")
+    if hq < 1 or hkv < 1 or hq % hkv != 0:
+        raise ShapeError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA/MQA")
+    return hq, hkv, d
+
+
+def check_scale(scale: float | None, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ShapeError(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def check_index(name: str, t: object, dim: int, device: torch.device, error: type[AttentionInputError],
+                shape: str) -> torch.Tensor:
+    """An int32 index tensor of ``dim`` dims on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise error(f"{name} must be an int32 tensor of shape {shape}, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise error(f"{name} must have shape {shape}, got {list(t.shape)}")
+    if t.dtype != torch.int32:
+        raise error(f"{name} must be int32, got {t.dtype}")
+    if t.device != device:
+        raise DeviceMismatchError(f"{name} is on {t.device} but q is on {device}")
+    return t
+
+
+def host_ints(*tensors: torch.Tensor) -> list[list[int]]:
+    """Each tensor's values as a Python list, read in one device-to-host copy."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+    values = flat.cpu().tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(values[at:at + t.numel()])
+        at += t.numel()
+    return out
+
+
+def check_cu(name: str, cu: list[int], total: int, rows_name: str) -> list[int]:
+    """Lengths from cumulative offsets: cu[0] = 0, non-decreasing, ending at ``total``."""
+    if not cu:
+        raise SeqLensError(f"{name} must have S + 1 >= 1 entries")
+    if cu[0] != 0:
+        raise SeqLensError(f"{name} must start at 0, got {cu[0]}")
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    bad = next((s for s, n in enumerate(lens) if n < 0), None)
+    if bad is not None:
+        raise SeqLensError(f"{name} must be non-decreasing; it falls from {cu[bad]} to {cu[bad + 1]} at sequence {bad}")
+    if cu[-1] != total:
+        raise SeqLensError(f"{name} must end at the number of {rows_name} ({total}), got {cu[-1]}")
+    return lens
+
+
+# ---- the plan ----
+
+@dataclass(frozen=True)
+class Config:
+    """A static launch config of ``ragged_fwd``: chosen by class, head dim and dtype only."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def block_d(d: int) -> int:
+    """D padded to a power of two of at least 16 (the smallest tl.dot size)."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def kernel_config(decode: bool, d: int, dtype: torch.dtype, interpret: bool) -> Config:
+    """Tiles of one class: decode packs up to 16 rows (the smallest tl.dot M) and streams 64-key
+    blocks, the config ``_flash_fwd_kernels.py`` found best for split decode; prefill takes that
+    file's first prefill config per head-dim class. Float32 tiles take twice the shared memory."""
+    if interpret:
+        return Config(16 if decode else 32, 32, 4, 1)
+    bd = block_d(d)
+    if dtype == torch.float32:
+        return Config(16 if decode else 64, 64 if bd <= 128 else 32, 4, 2)
+    if decode:
+        return Config(16, 64, 4, 3 if bd <= 128 else 2)
+    if bd <= 64:
+        return Config(128, 64, 4, 3)
+    if bd <= 128:
+        return Config(128, 64, 8, 3)
+    return Config(128, 64, 8, 2)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # the interpreter: a small GPU, so that decode shapes take the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=65536)
+def sequence_plan(n_q: int, n_k: int, hq: int, hkv: int, bm_decode: int, bm_prefill: int,
+                  sms: int) -> tuple[bool, int, int, int]:
+    """(decode, row tiles, splits, keys per split) of one sequence: from its own lengths and the
+    static configuration only (module docstring, batch invariance). A sequence is split when its
+    programs alone fill less than one wave of SMs and it has at least two quanta of keys; the
+    splits are whole quanta, at most ``MAX_SPLITS``, none empty."""
+    group = hq // hkv
+    decode = n_q * group <= PACK_ROWS
+    tiles = _cdiv(n_q * group if decode else n_q, bm_decode if decode else bm_prefill)
+    programs = tiles * (hkv if decode else hq)
+    splits = 1
+    if (decode or n_q <= 64) and programs < sms and n_k >= 2 * SPLIT_KEY_QUANTUM:
+        splits = min(_cdiv(sms, programs), n_k // SPLIT_KEY_QUANTUM, MAX_SPLITS)
+    if splits == 1:
+        return decode, tiles, 1, n_k
+    kps = _cdiv(_cdiv(n_k, splits), SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
+    return decode, tiles, _cdiv(n_k, kps), kps
+
+
+@dataclass
+class Plan:
+    """One call's work, packed into one int32 device buffer (one host-to-device copy)."""
+
+    seq: torch.Tensor          # (S, SEQ_FIELDS)
+    decode: torch.Tensor       # (n, WORK_FIELDS) work items of decode sequences
+    prefill: torch.Tensor      # (n, WORK_FIELDS) work items of prefill sequences
+    merge: torch.Tensor        # (n, MERGE_FIELDS) tokens of split sequences
+    part_rows: int             # rows of the partial buffers
+    cfg_decode: Config
+    cfg_prefill: Config
+
+
+def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
+               hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
+               interpret: bool) -> Plan:
+    """Plan every sequence alone (``sequence_plan``) and list the work items; prefill items are
+    ordered longest first (better tail balance; the order changes no bits)."""
+    cfg_d = kernel_config(True, d, dtype, interpret)
+    cfg_p = kernel_config(False, d, dtype, interpret)
+    sms = num_sms(device)
+    seq_rows, dec, pre, pre_cost, merge = [], [], [], [], []
+    part_rows, q0 = 0, 0
+    for s, (n_q, n_k) in enumerate(zip(q_lens, k_lens, strict=True)):
+        seq_rows.append((q0, n_q, 0 if k_starts is None else k_starts[s], n_k))
+        if n_q > 0:
+            decode, tiles, splits, kps = sequence_plan(n_q, n_k, hq, hkv, cfg_d.block_m, cfg_p.block_m, sms)
+            base = -1
+            if splits > 1:
+                base, part_rows = part_rows, part_rows + splits * n_q
+                merge.extend((q0 + i, base + i, n_q, splits) for i in range(n_q))
+            for tile in range(tiles):
+                for j in range(splits):
+                    k0, k1 = j * kps, min(j * kps + kps, n_k)
+                    item = (s, tile, k0, k1, base + j * n_q if splits > 1 else -1)
+                    if decode:
+                        dec.append(item)
+                    else:
+                        pre.append(item)
+                        hi = min(k1, (tile + 1) * cfg_p.block_m + n_k - n_q) if causal else k1
+                        pre_cost.append(k0 - hi)
+        q0 += n_q
+    if pre:
+        pre = [pre[i] for i in np.argsort(np.asarray(pre_cost), kind="stable")]
+    parts = [np.asarray(seq_rows, dtype=np.int32).reshape(-1, 4), np.asarray(dec, dtype=np.int32).reshape(-1, 5),
+             np.asarray(pre, dtype=np.int32).reshape(-1, 5), np.asarray(merge, dtype=np.int32).reshape(-1, 4)]
+    buf = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]) if parts else np.zeros(0, np.int32))
+    buf = buf.to(device)
+    views, at = [], 0
+    for p in parts:
+        views.append(buf[at:at + p.size].view(p.shape))
+        at += p.size
+    return Plan(*views, part_rows=part_rows, cfg_decode=cfg_d, cfg_prefill=cfg_p)
+
+
+@functools.lru_cache(maxsize=256)
+def cached_plan(q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_starts: tuple[int, ...] | None, hq: int, hkv: int,
+                d: int, dtype: torch.dtype, device: torch.device, causal: bool, interpret: bool) -> Plan:
+    """``build_plan``, kept for lengths seen before (a repeated batch skips the host work and the
+    host-to-device copy; the device buffers are only ever read)."""
+    return build_plan(q_lens, k_lens, k_starts, hq, hkv, d, dtype, device, causal, interpret)
+
+
+# ---- launches ----
+
+def plain_launcher() -> Callable:
+    """The project's cached launcher of plain ``@triton.jit`` kernels (``flash.launch_plain``)."""
+    try:  # the launch cache may live in kernels/launch.py (the kernels/ reorganisation)
+        from .launch import launch_plain  # type: ignore[import-not-found]
+    except ImportError:
+        from .flash import launch_plain
+    return launch_plain
+
+
+@functools.cache
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor for pointer arguments a launch does not read."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequence[int],
+                 k_lens: Sequence[int], *, causal: bool, scale: float, k_starts: Sequence[int] | None = None,
+                 block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """o (Tq, Hq, D) in q's dtype and lse (Hq, Tq) float32 by ``ragged_fwd`` (and ``ragged_merge``).
+
+    Varlen (``block_table`` None): k, v (Tk, Hkv, D), sequence s's keys at rows
+    k_starts[s] : k_starts[s] + k_lens[s]. Paged: k, v (P, page_tokens, Hkv, D), key j of sequence
+    s at page block_table[s, j // page_tokens], row j % page_tokens."""
+    from .jit import varlen as jit
+
+    t_q, hq, d = q.shape
+    hkv = k.shape[-2]
+    dev = q.device
+    interpret = triton_interpret() and dev.type == "cpu"
+    o = torch.empty(t_q, hq, d, dtype=q.dtype, device=dev)
+    lse = torch.empty(hq, t_q, dtype=torch.float32, device=dev)
+    if t_q == 0:
+        return o, lse
+    plan = cached_plan(tuple(q_lens), tuple(k_lens), None if k_starts is None else tuple(k_starts), hq, hkv, d,
+                       q.dtype, dev, bool(causal), interpret)
+    part_rows = max(plan.part_rows, 1)
+    o_part = torch.empty(part_rows, hq, d, dtype=torch.float32, device=dev) if plan.part_rows else \
+        _placeholder(dev, torch.float32)
+    lse_part = torch.empty(part_rows, hq, dtype=torch.float32, device=dev) if plan.part_rows else o_part
+    paged = block_table is not None
+    if paged:
+        page = k.shape[1]
+        kst, vst = k.stride(), v.stride()
+        bt, bt_strides = block_table, block_table.stride()
+    else:
+        page = 1
+        kst, vst = (0, *k.stride()), (0, *v.stride())
+        bt, bt_strides = _placeholder(dev, torch.int32), (0, 0)
+    launch = plain_launcher()
+    bd = block_d(d)
+    for work, cfg, decode in ((plan.decode, plan.cfg_decode, True), (plan.prefill, plan.cfg_prefill, False)):
+        if work.shape[0] == 0:
+            continue
+        args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, *q.stride(), *kst, *vst,
+                *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E)
+        consts = dict(D=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACK=decode, PAGED=paged,
+                      PAGE=page, IS_CAUSAL=bool(causal), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+        launch(jit.ragged_fwd, (work.shape[0], hkv if decode else hq, 1), args, consts,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if plan.merge.shape[0]:
+        bh = min(1 << (hq - 1).bit_length(), max(1, 4096 // bd))
+        args = (o_part, lse_part, o, lse, plan.merge, *o.stride(), *lse.stride(), hq)
+        launch(jit.ragged_merge, (plan.merge.shape[0], -(-hq // bh), 1), args,
+               dict(D=d, BLOCK_D=bd, BLOCK_H=bh), num_warps=4)
+    return o, lse
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device (and its stream), wherever the tensors are."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+# ---- the CPU path ----
+
+def sequence_attention(q_s: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, *, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence by the project's O(N)-memory PyTorch attention: q_s (n_q, Hq, D), k_s/v_s
+    (n_k, Hkv, D) -> o (n_q, Hq, D), lse (Hq, n_q). ``cpu_attention`` on the CPU (torch's CPU flash
+    kernel), ``blockwise_attention`` elsewhere."""
+    from .reference import blockwise_attention, cpu_attention
+
+    n_q, hq, d = q_s.shape
+    if k_s.shape[0] == 0:
+        return q_s.new_zeros(n_q, hq, d), torch.full((hq, n_q), float("-inf"), dtype=torch.float32,
+                                                     device=q_s.device)
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q_s, k_s, v_s))
+    fn = cpu_attention if q_s.device.type == "cpu" else blockwise_attention
+    o, lse = fn(q4, k4, v4, causal=causal, scale=scale)
+    return o[0].transpose(0, 1), lse[0]
+
+
+def reference_ragged(q: torch.Tensor, q_lens: Sequence[int], keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                     *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """o (Tq, Hq, D), lse (Hq, Tq): each sequence alone through ``sequence_attention``;
+    ``keys(s)`` gives sequence s's k, v (n_k, Hkv, D)."""
+    t_q, hq, d = q.shape
+    o = torch.empty(t_q, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(hq, t_q, dtype=torch.float32, device=q.device)
+    q0 = 0
+    for s, n_q in enumerate(q_lens):
+        if n_q:
+            k_s, v_s = keys(s)
+            o_s, lse_s = sequence_attention(q[q0:q0 + n_q], k_s, v_s, causal=causal, scale=scale)
+            o[q0:q0 + n_q], lse[:, q0:q0 + n_q] = o_s, lse_s
+        q0 += n_q
+    return o, lse
+
+
+# ---- which implementation ----
+
+def choose_ragged(what: str, device: torch.device, dtype: torch.dtype, kernel: str) -> str:
+    """"flash" (the Triton kernels) or "reference" (the per-sequence PyTorch loop) for ``what``
+    ("varlen", "paged"); raises ``KernelUnavailableError`` where ``kernel`` cannot run. "auto": the
+    Triton kernels on CUDA and under TRITON_INTERPRET=1 (except bfloat16, which the interpreter
+    computes wrongly), else the CPU loop. Logged once per combination, with the reasons."""
+    return _choose(what, device.type, dtype, kernel, triton_interpret())
+
+
+@functools.cache
+def _choose(what: str, device_type: str, dtype: torch.dtype, kernel: str, interpret: bool) -> str:
+    if kernel not in RAGGED_KERNELS:
+        extra = " (flash_v1 has no ragged or paged form)" if kernel == "flash_v1" else ""
+        raise KernelUnavailableError(f"unknown kernel {kernel!r} for {what} attention{extra}; "
+                                     f"choose one of {', '.join(RAGGED_KERNELS)}")
+    if kernel == "reference":
+        return "reference"
+    refusal = triton_refusal(device_type, interpret)
+    if kernel == "flash":
+        if refusal:
+            raise KernelUnavailableError(f"kernel 'flash' cannot run: {refusal}")
+        return "flash"
+    if refusal is None and device_type == "cpu" and dtype == torch.bfloat16:
+        refusal = "bfloat16 is computed wrongly by the Triton interpreter"
+    name = "reference" if refusal else "flash"
+    refused = {"flash": refusal} if refusal else {
+        "reference": "one PyTorch call per sequence (S launches, no paged reads)"}
+    log.info("%s attention kernel for %s %s: %s (refused: %s)", what, device_type, str(dtype).replace("torch.", ""),
+             name, "; ".join(f"{k}: {v}" for k, v in refused.items()))
+    return name

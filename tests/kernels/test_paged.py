@@ -1,0 +1,289 @@
+"""attention_paged and append_paged (API.md §5): keys in shuffled, shared, partly filled pages.
+
+Every free slot of the pages is NaN (``ragged_cases.paginate``), so a read past a sequence's
+cache_lens, or through a block-table entry past its last page, shows up as NaN in o. Interpreter
+sizes are tiny; the ``gpu`` tests add bfloat16, 64k keys and 256 sequences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ragged_cases import DEV, check_sequences, cu_of, nan_empty, paginate, randn
+
+from kernels import (
+    BlockTableError,
+    DTypeError,
+    KernelUnavailableError,
+    SeqLensError,
+    ShapeError,
+    append_paged,
+    attention_paged,
+    attention_varlen,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
+KERNELS = ["flash", "reference"]
+
+# name: (q_lens, cache_lens, page_tokens, Hq, Hkv, D, causal, shared prefix pages) — a reason for each odd value
+CASES = {
+    "decode_page16": ([1, 1, 1], [1, 17, 600], 16, 8, 2, 64, True, 0),     # 1 key; a partial page; split keys
+    "page1": ([1, 3], [5, 40], 1, 4, 4, 40, True, 0),                      # one token a page: a lookup per key
+    "page17_mqa": ([2, 17], [17, 97], 17, 5, 1, 72, True, 0),              # odd pages smaller than BLOCK_N, MQA
+    "page64_chunk": ([65, 1], [200, 130], 64, 4, 4, 128, True, 0),         # chunked prefill rows, then a decode
+    "page256_noncausal": ([3, 0, 2], [300, 0, 2], 256, 4, 2, 40, False, 0),  # an empty sequence; one partial page
+    "shared_prefix": ([1, 4], [100, 70], 16, 4, 2, 64, True, 4),           # sequence 1 reads 0's first 4 pages
+    "d256": ([2], [70], 16, 2, 2, 256, True, 0),                           # the largest head dim
+}
+FP16 = ["decode_page16", "page17_mqa", "shared_prefix"]
+GPU_ONLY = {
+    "long_64k": ([1, 1], [65536, 1025], 64, 32, 8, 128, True, 0),          # 64k keys, split and merged
+    "page256_chunk": ([1025, 97], [4096, 97], 256, 32, 8, 128, True, 0),  # a 1025-row chunk against 4k keys
+    "page16_d40": ([1, 17, 97], [1025, 17, 1024], 16, 8, 2, 40, False, 0),
+}
+
+
+def make_cache(case, dtype, seed=0, device=DEV):
+    """q, pages, table, cache_lens, cu_seqlens_q and each sequence's contiguous k, v."""
+    q_lens, lens, page, hq, hkv, d, causal, shared = case
+    g = torch.Generator().manual_seed(seed)
+    k_seqs = [randn(g, n, hkv, d, dtype=dtype, device=device) for n in lens]
+    v_seqs = [randn(g, n, hkv, d, dtype=dtype, device=device) for n in lens]
+    if shared:
+        m = shared * page
+        k_seqs[1][:m], v_seqs[1][:m] = k_seqs[0][:m], v_seqs[0][:m]
+    k_pages, v_pages, table = paginate(k_seqs, v_seqs, page, seed, share_prefix_pages=shared)
+    q = randn(g, sum(q_lens), hq, d, dtype=dtype, device=device)
+    cache_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, k_pages, v_pages, table, cache_lens, cu_of(q_lens, device), k_seqs, v_seqs
+
+
+def run_case(case, dtype, kernel):
+    q_lens, _, _, _, _, d, causal, _ = case
+    q, kp, vp, table, lens, cu_q, k_seqs, v_seqs = make_cache(case, dtype)
+    o, lse = attention_paged(q, kp, vp, table, lens, cu_q, causal=causal, return_lse=True, kernel=kernel)
+    check_sequences(o, lse, q, k_seqs, v_seqs, q_lens, causal=causal, scale=d ** -0.5)
+    return o, lse
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_paged_fp32(name, kernel, monkeypatch):
+    nan_empty(monkeypatch)
+    run_case(CASES[name], torch.float32, kernel)
+
+
+@pytest.mark.parametrize("name", FP16)
+def test_paged_fp16(name, monkeypatch):
+    nan_empty(monkeypatch)
+    run_case(CASES[name], torch.float16, "flash")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_paged_equals_varlen(kernel):
+    """The same keys paged or contiguous: the same plan and kernel, so the same bits."""
+    case = CASES["page17_mqa"]
+    lens = case[1]
+    q, kp, vp, table, cl, cu_q, k_seqs, v_seqs = make_cache(case, torch.float32)
+    o, lse = attention_paged(q, kp, vp, table, cl, cu_q, return_lse=True, kernel=kernel)
+    o2, lse2 = attention_varlen(q, torch.cat(k_seqs), torch.cat(v_seqs), cu_q, cu_of(lens), causal=True,
+                                return_lse=True, kernel=kernel)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_paged_batch_invariance(kernel):
+    """Each sequence's rows bit-equal to the sequence alone (with its own table row)."""
+    case = ([1, 5, 0, 1, 40], [600, 20, 3, 9, 70], 16, 4, 2, 40, True, 0)
+    q_lens = case[0]
+    q, kp, vp, table, cl, cu_q, _, _ = make_cache(case, torch.float32, seed=5)
+    o, lse = attention_paged(q, kp, vp, table, cl, cu_q, return_lse=True, kernel=kernel)
+    at = 0
+    for s, n in enumerate(q_lens):
+        o1, l1 = attention_paged(q[at:at + n], kp, vp, table[s:s + 1], cl[s:s + 1], cu_of([n]), return_lse=True,
+                                 kernel=kernel)
+        assert torch.equal(o[at:at + n], o1) and torch.equal(lse[:, at:at + n], l1), f"sequence {s}"
+        at += n
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """NaN-proof bitwise view (poisoned slots are NaN, and NaN != NaN)."""
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("page", [1, 16, 17])
+def test_append_then_attend(kernel, page):
+    """append_paged writes exactly the new slots (every other byte of the pages unchanged), and
+    attending after it equals attending over the concatenated keys."""
+    old, new, q_lens = [5, 40, 0, 16], [1, 3, 2, 0], [1, 3, 2, 0]
+    hq, hkv, d = 4, 2, 40
+    g = torch.Generator().manual_seed(7)
+    full_k = [randn(g, a + b, hkv, d, dtype=torch.float32) for a, b in zip(old, new, strict=True)]
+    full_v = [randn(g, a + b, hkv, d, dtype=torch.float32) for a, b in zip(old, new, strict=True)]
+    # the table covers the appended length; the pages hold only the old keys (the rest NaN)
+    kp, vp, table = paginate(full_k, full_v, page, seed=7)
+    for s, (a, b) in enumerate(zip(old, new, strict=True)):
+        for j in range(a, a + b):
+            kp[table[s, j // page], j % page] = float("nan")
+            vp[table[s, j // page], j % page] = float("nan")
+    before_k, before_v = kp.clone(), vp.clone()
+    k_new = torch.cat([k[a:] for k, a in zip(full_k, old, strict=True)])
+    v_new = torch.cat([v[a:] for v, a in zip(full_v, old, strict=True)])
+    cl = torch.tensor(old, dtype=torch.int32, device=DEV)
+    append_paged(kp, vp, table, cl, k_new, v_new, cu_of(new), kernel=kernel)
+    assert cl.tolist() == old, "cache_lens is not changed"
+    written = torch.zeros(kp.shape[:2], dtype=torch.bool, device=kp.device)
+    for s, (a, b) in enumerate(zip(old, new, strict=True)):
+        for j in range(a, a + b):
+            written[table[s, j // page], j % page] = True
+            assert torch.equal(kp[table[s, j // page], j % page], full_k[s][j])
+            assert torch.equal(vp[table[s, j // page], j % page], full_v[s][j])
+    assert torch.equal(bits(kp[~written]), bits(before_k[~written])), "a slot outside the new rows changed"
+    assert torch.equal(bits(vp[~written]), bits(before_v[~written]))
+    lens = [a + b for a, b in zip(old, new, strict=True)]
+    q = randn(g, sum(q_lens), hq, d, dtype=torch.float32)
+    o, lse = attention_paged(q, kp, vp, table, cl + torch.tensor(new, dtype=torch.int32, device=DEV), cu_of(q_lens),
+                             return_lse=True, kernel=kernel)
+    o2, lse2 = attention_varlen(q, torch.cat(full_k), torch.cat(full_v), cu_of(q_lens), cu_of(lens), causal=True,
+                                return_lse=True, kernel=kernel)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_append_untouched_pages_flash_equals_reference():
+    """The Triton append (interpreter here) and index_put write the same bytes."""
+    case = CASES["shared_prefix"]
+    _, kp, vp, table, cl, _, _, _ = make_cache(case, torch.float16)
+    g = torch.Generator().manual_seed(2)
+    # room for 20 more keys in each sequence: widen the table with fresh pages
+    extra = torch.arange(kp.shape[0], kp.shape[0] + 4, dtype=torch.int32, device=DEV).view(2, 2)
+    kp = torch.cat([kp, torch.full((4, *kp.shape[1:]), float("nan"), dtype=kp.dtype, device=DEV)])
+    vp = torch.cat([vp, torch.full_like(kp[-4:], float("nan"))])
+    need = [math.ceil(n / 16) for n in cl.tolist()]
+    table = table.clone()
+    for s in range(2):
+        table[s, need[s]:need[s] + 2] = extra[s]
+    k_new = randn(g, 30, 2, 64, dtype=torch.float16)
+    v_new = randn(g, 30, 2, 64, dtype=torch.float16)
+    outs = []
+    for kernel in KERNELS:
+        a, b = kp.clone(), vp.clone()
+        append_paged(a, b, table, cl, k_new, v_new, cu_of([10, 20]), kernel=kernel)
+        outs.append((bits(a), bits(b)))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def _paged_args(**change):
+    q, kp, vp, table, cl, cu_q, _, _ = make_cache(([1, 2], [20, 5], 16, 4, 2, 16, True, 0), torch.float32)
+    args = dict(q=q, k_pages=kp, v_pages=vp, block_table=table, cache_lens=cl, cu_seqlens_q=cu_q)
+    args.update({name: fn(args) for name, fn in change.items()})
+    return args
+
+
+def idx(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+def with_column(table, col, value):
+    table = table.clone()
+    table[:, col] = value
+    return table
+
+
+PAGED_BAD = {  # name: (change, error, message fragment)
+    "pages_3d": (dict(k_pages=lambda a: a["k_pages"][0], v_pages=lambda a: a["v_pages"][0]), ShapeError, "4 dims"),
+    "pages_dtype": (dict(v_pages=lambda a: a["v_pages"].half()), DTypeError, "one dtype"),
+    "pages_differ": (dict(v_pages=lambda a: a["v_pages"][:-1]), ShapeError, "same shape"),
+    "table_int64": (dict(block_table=lambda a: a["block_table"].long()), BlockTableError, "int32"),
+    "table_rows": (dict(block_table=lambda a: a["block_table"][:1]), SeqLensError, "S = 2"),
+    "table_short": (dict(block_table=lambda a: a["block_table"][:, :1]), BlockTableError, "needs 2 pages"),
+    "page_out_of_range": (dict(block_table=lambda a: with_column(a["block_table"], 0, 999)),
+                          BlockTableError, "names no page"),
+    "cache_lens_int64": (dict(cache_lens=lambda a: a["cache_lens"].long()), SeqLensError, "int32"),
+    "cache_lens_lt_q": (dict(cache_lens=lambda a: idx([20, 1])), SeqLensError, "less than"),
+    "cu_end": (dict(cu_seqlens_q=lambda a: idx([0, 1, 2])), SeqLensError, "end at"),
+    "q_heads": (dict(q=lambda a: a["q"][:, :3]), ShapeError, "multiple"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAGED_BAD))
+def test_paged_bad_inputs(name):
+    change, error, fragment = PAGED_BAD[name]
+    if name == "page_out_of_range" and DEV == "cuda":
+        pytest.skip("page indices are checked on the CPU only")
+    with pytest.raises(error, match=fragment):
+        attention_paged(**_paged_args(**change))
+
+
+APPEND_BAD = {
+    "new_heads": (dict(k_new=lambda a: a["k_new"][:, :1], v_new=lambda a: a["v_new"][:, :1]), ShapeError, "match"),
+    "new_dtype": (dict(k_new=lambda a: a["k_new"].half()), DTypeError, "dtype"),
+    "cu_int64": (dict(cu_seqlens_new=lambda a: a["cu_seqlens_new"].long()), SeqLensError, "int32"),
+    "cu_end": (dict(cu_seqlens_new=lambda a: idx([0, 1, 2])), SeqLensError, "end at"),
+    "table_short": (dict(cache_lens=lambda a: idx([63, 0])), BlockTableError, "after the append"),
+    "page_out_of_range": (dict(block_table=lambda a: with_column(a["block_table"], 1, -5)),
+                          BlockTableError, "names no page"),
+}
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="append_paged checks indices on the CPU only (no device sync)")
+@pytest.mark.parametrize("name", sorted(APPEND_BAD))
+def test_append_bad_inputs(name):
+    change, error, fragment = APPEND_BAD[name]
+    kp, vp, table = paginate([torch.zeros(20, 2, 16), torch.zeros(5, 2, 16)],
+                             [torch.zeros(20, 2, 16), torch.zeros(5, 2, 16)], 16)
+    args = dict(k_pages=kp, v_pages=vp, block_table=table, cache_lens=idx([17, 5]), k_new=torch.ones(3, 2, 16),
+                v_new=torch.ones(3, 2, 16), cu_seqlens_new=idx([0, 2, 3]))
+    args.update({k: fn(args) for k, fn in change.items()})
+    with pytest.raises(error, match=fragment):
+        append_paged(**args)
+
+
+def test_paged_kernel_choice(monkeypatch):
+    args = _paged_args()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if DEV == "cpu":
+        with pytest.raises(KernelUnavailableError, match="CUDA"):
+            attention_paged(**args, kernel="flash")
+    with pytest.raises(KernelUnavailableError, match="flash_v1"):
+        attention_paged(**args, kernel="flash_v1")
+
+
+# ---- GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(GPU_ONLY))
+def test_paged_gpu(name, dtype, monkeypatch):
+    nan_empty(monkeypatch)
+    run_case({**CASES, **GPU_ONLY}[name], dtype, "flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_gpu_256_sequences_batch_invariant(page, dtype, monkeypatch):
+    """256 decodes and chunks of mixed lengths in one launch, poisoned outputs; each sequence
+    bit-equal to itself alone; within the error budget of float64."""
+    nan_empty(monkeypatch)
+    g = torch.Generator().manual_seed(page)
+    lens = torch.randint(1, 9000, (256,), generator=g).tolist()
+    q_lens = [1] * 224 + torch.randint(2, 300, (32,), generator=g).tolist()
+    lens = [max(n, nq) for n, nq in zip(lens, q_lens, strict=True)]
+    case = (q_lens, lens, page, 32, 8, 128, True, 0)
+    q, kp, vp, table, cl, cu_q, k_seqs, v_seqs = make_cache(case, dtype)
+    o, lse = attention_paged(q, kp, vp, table, cl, cu_q, return_lse=True)
+    starts = cu_q.tolist()
+    for s in list(range(0, 256, 17)) + [255]:
+        a, b = starts[s], starts[s + 1]
+        o1, l1 = attention_paged(q[a:b], kp, vp, table[s:s + 1], cl[s:s + 1], cu_of([b - a]), return_lse=True)
+        assert torch.equal(o[a:b], o1) and torch.equal(lse[:, a:b], l1), f"sequence {s}"
+    check_sequences(o, lse, q, k_seqs, v_seqs, q_lens, causal=True, scale=128 ** -0.5, against_attention=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [1, 16, 17, 64, 256])
+def test_append_gpu(page):
+    test_append_then_attend("flash", page)
