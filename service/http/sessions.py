@@ -125,7 +125,10 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
             raise codec.UnsupportedMediaType(
                 f"unsupported Content-Type {mtype or '(none)'!r}; send {codec.SAFETENSORS} or {codec.JSON}"
             )
-        body = await codec.read_body(request, *((limit,) if mtype == codec.SAFETENSORS else (json_limit, "--max-json-mb")))
+        if mtype == codec.SAFETENSORS:
+            body = await codec.read_body(request, limit)
+        else:
+            body = await codec.read_body(request, json_limit, "--max-json-mb")
         return body, mtype, ids
 
     async def answer(request: Request, decode, *args) -> Response:
