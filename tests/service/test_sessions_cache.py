@@ -71,7 +71,7 @@ def test_no_room_changes_nothing_and_says_what_is_free():
 def test_growth_keeps_every_key_in_place():
     cache = KVCache("cpu", 1024 * G.page_bytes(PAGE), PAGE)
     seqs = [SequenceKV() for _ in range(5)]
-    for step in range(8):  # interleaved growth past the first arena's MIN_ARENA_PAGES pages
+    for _ in range(8):  # interleaved growth past the first arena's MIN_ARENA_PAGES pages
         for i, kv in enumerate(seqs):
             start = kv.length
             cache.reserve(G, [(kv, 3)])
