@@ -35,7 +35,7 @@ class InvalidInput(ServiceError):
 
 
 class NotFound(ServiceError):
-    """Unknown layer or model."""
+    """Unknown layer, model or session (an ended or expired session too)."""
 
     http_status, grpc_code, code = 404, "NOT_FOUND", "not_found"
 
@@ -60,6 +60,18 @@ class Unavailable(ServiceError):
 
 class DeadlineExceeded(ServiceError):
     http_status, grpc_code, code = 504, "DEADLINE_EXCEEDED", "deadline_exceeded"
+
+
+class Conflict(ServiceError):
+    """A create with an id that is taken (a session)."""
+
+    http_status, grpc_code, code = 409, "ALREADY_EXISTS", "already_exists"
+
+
+class InsufficientStorage(ServiceError):
+    """No room for a session's new keys: the KV cache is full, or --max-sessions are held."""
+
+    http_status, grpc_code, code = 507, "RESOURCE_EXHAUSTED", "insufficient_storage"
 
 
 class Unauthenticated(ServiceError):

@@ -130,6 +130,15 @@ class Settings(BaseSettings):
         description="Python's thread switch interval: the event loop and the worker threads hand the GIL "
         "to each other per batch, and the interpreter's 5 ms default adds up to that much per hand-off",
     )
+    kv_cache_mb: float | None = Field(
+        None, gt=0,
+        description="size of each worker's paged KV cache for sessions (API.md §10), in MiB; default: 256 on "
+        "the CPU, on a GPU half of what the worker may use after its warm-up (--memory-fraction), the rest "
+        "left to stateless requests",
+    )
+    kv_page_tokens: int = Field(64, ge=1, description="tokens per page of the sessions' KV cache")
+    session_idle_s: float = Field(600.0, gt=0, description="a session without a step for this long is released")
+    max_sessions: int = Field(4096, ge=1, description="sessions held at once (a create beyond it gets 507)")
     log_level: str = Field("info", description="logging level")
     access_log: bool = Field(
         False,

@@ -12,6 +12,7 @@ Interface (stable; transports rely on it):
     engine.on_gpu -> bool           # any worker on a CUDA device
     engine.requests_held -> int     # queued or running now
     engine.activity -> int          # moves whenever a request is submitted or finishes
+    engine.sessions                 # service.sessions.SessionManager: sessions and their steps (API.md §10)
 Raises only ``service.errors.ServiceError`` subclasses.
 
 Deadlines: ``req.deadline`` is a ``time.monotonic()`` instant set by the transport (from
@@ -42,6 +43,7 @@ from service.core.worker import (
     resolve_devices,
 )
 from service.errors import BadRequest, NotFound, PayloadTooLarge, ServiceError, Unavailable, from_kernel_error
+from service.sessions import SessionManager
 from service.settings import Settings
 
 log = logging.getLogger("attnserve.engine")
@@ -64,6 +66,7 @@ class Engine:
         self._layers: dict[str, Any] = {}
         self.workers: list[Worker] = []
         self.batcher: Batcher | None = None
+        self.sessions: SessionManager | None = None
         self._started = False
         self._draining = False
         self._memory_budget = 0  # bytes: the least any worker may use (known once they are warm)
@@ -84,12 +87,15 @@ class Engine:
         self._layers = _load_layers(self.settings)
         self.workers = [Worker(d, self.settings, self.metrics, self._layers) for d in devices]
         self.batcher = Batcher(self.workers, self.settings, self.metrics)
+        self.sessions = SessionManager(self.settings, self.metrics, self.workers, accepting=self._check_accepting,
+                                       held_elsewhere=lambda: self.requests_held)
 
     async def start(self) -> None:
         """Prepare (if not yet), start a worker per device and warm each (concurrently); then ready."""
         if not self.workers:
             await asyncio.to_thread(self.prepare)
         await asyncio.gather(*(w.start() for w in self.workers))
+        self.sessions.start()  # its KV caches come out of the workers' memory budgets
         self._memory_budget = min(w.memory_budget for w in self.workers)
         if not self.settings.autotune_new_shapes:
             kernels.freeze_autotuning()  # no tuning on the request path from here on
@@ -242,6 +248,8 @@ class Engine:
         if self.batcher is not None:
             await self.batcher.wait_idle()
             await self.batcher.stop()
+        if self.sessions is not None:
+            await self.sessions.stop()  # after the steps it holds
         for w in self.workers:
             await asyncio.to_thread(w.close)
         log.info("engine drained")

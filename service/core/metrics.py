@@ -94,6 +94,32 @@ class Metrics:
             ["device"],
             registry=r,
         )
+        self.sessions = Gauge(
+            "attnserve_sessions", "Sessions held (API.md §10)", ["device"], registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.kv_used = Gauge(
+            "attnserve_kv_cache_used_bytes", "KV cache bytes in pages held by sessions", ["device"], registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.kv_capacity = Gauge(
+            "attnserve_kv_cache_capacity_bytes", "KV cache size (--kv-cache-mb)", ["device"], registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.kv_pages_free = Gauge(
+            "attnserve_kv_cache_pages_free", "KV cache pages allocated and not held by a session", ["device"],
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.session_expired = Counter(
+            "attnserve_session_expired", "Sessions released after --session-idle-s without a step", registry=r
+        )
+        self.session_batch_size = Histogram(
+            "attnserve_session_batch_size",
+            "Session steps per paged launch (its count: the launches; its sum: the steps)",
+            ["device"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
         self.memory_used = Gauge(
             "attnserve_gpu_memory_used_bytes",
             "Device memory held by tensors (torch.cuda.memory_allocated)",
@@ -141,6 +167,13 @@ class Metrics:
         """Read the batcher's counts (callables) at each scrape instead of setting them per request."""
         self._sample(self.queue_depth, queued)
         self._sample(self.pending, held)
+
+    def track_sessions(self, device: str, held, used, capacity, pages_free) -> None:
+        """Read a worker's session count and KV cache counters (callables) at each scrape."""
+        self._sample(self.sessions.labels(device), held)
+        self._sample(self.kv_used.labels(device), used)
+        self._sample(self.kv_capacity.labels(device), capacity)
+        self._sample(self.kv_pages_free.labels(device), pages_free)
 
     def track_device_memory(self, device: str) -> None:
         """Sample a CUDA device's memory at each scrape (no polling thread)."""

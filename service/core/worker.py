@@ -296,6 +296,47 @@ class Worker:
             self._launcher.submit(self._capture_wanted)
         return answered
 
+    def run_on_device(self, fn: Callable[[Any], tuple[Any, Any]]) -> asyncio.Future:
+        """Run ``fn(launch_lock)`` on this worker's launcher thread, in order with its batches, under
+        ``torch.no_grad`` and on its compute stream; ``fn`` returns (value, a CUDA event or None).
+        The future (on the running loop) gives ``value`` once the event is complete (waited for on
+        the finisher thread), or what ``fn`` raised. The session steps' launches use it
+        (``service.sessions``), and so do their KV cache's page bookkeeping and releases."""
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future = loop.create_future()
+
+        def settle(value: Any, exc: BaseException | None) -> None:
+            if not answered.done():
+                if exc is not None:
+                    answered.set_exception(exc)
+                else:
+                    answered.set_result(value)
+
+        def finish(value: Any, done: Any) -> None:
+            try:
+                if done is not None:
+                    done.synchronize()
+                answer = (value, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                answer = (None, exc)
+            loop.call_soon_threadsafe(settle, *answer)
+
+        def launch() -> None:
+            stream = torch.cuda.stream(self._compute_stream) if self._cuda else contextlib.nullcontext()
+            try:
+                with torch.no_grad(), stream:
+                    value, done = fn(self._launch_lock())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(settle, None, exc)
+                return
+            if done is not None:
+                self._finisher.submit(finish, value, done)
+            else:
+                finish(value, None)
+
+        self._launcher.submit(launch)
+        return answered
+
     # ---- small requests at once: CUDA graphs --------------------------------------------------
 
     def run_now(self, req: Request) -> AttentionResult | None:

@@ -519,6 +519,10 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         return Response(render_metrics(*registries), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(create_router(engine, settings))
+    if hasattr(engine, "sessions"):  # API.md §10 (an engine stand-in without sessions serves none)
+        from service.http.sessions import create_router as create_sessions_router
+
+        app.include_router(create_sessions_router(engine, settings))
 
     def openapi() -> dict:
         if app.openapi_schema is None:

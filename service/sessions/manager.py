@@ -1,0 +1,338 @@
+"""Sessions held by the engine (API.md §10): the table, creation, steps, release and idle expiry.
+
+Interface (what every transport calls; ``engine.sessions``):
+    info = manager.create(session=None, layers=1, num_kv_heads=..., head_dim=..., dtype="float16")
+    manager.describe(id) -> dict    # {"session","layers","num_kv_heads","head_dim","dtype","lengths",
+                                    #  "kv_bytes","idle_s","device"}
+    manager.list() -> dict          # {"count","kv_bytes_used","kv_bytes_capacity","sessions"}
+    await manager.delete(id)
+    await manager.step(SessionStep) -> SessionResult
+Raises only ``service.errors.ServiceError`` subclasses: NotFound (404), Conflict (409),
+InsufficientStorage (507), InvalidInput (422), BadRequest (400), QueueFull (429), DeadlineExceeded
+(504), Unavailable (503).
+
+A session lives on one worker (the one with the most free cache when it is created); each layer is
+a ``SequenceKV`` in that worker's ``KVCache``. The table lives on the event loop; lengths and pages
+change only on the worker's launcher thread (``StepScheduler.run``, the launches), in order.
+
+A step is atomic: each worker's part reserves its pages before its launch and rolls back on failure;
+when a part fails after another succeeded (a packed step over sessions on two workers), or the step
+finished after its deadline, the parts that ran are truncated back to their lengths before the step
+(the sessions' pairs stay held until then, so no later step has built on them). ``end`` releases
+the step's sessions once it succeeded; a failed step keeps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from service.errors import (
+    BadRequest,
+    Conflict,
+    DeadlineExceeded,
+    InsufficientStorage,
+    InvalidInput,
+    NotFound,
+    QueueFull,
+    ServiceError,
+)
+from service.sessions.cache import Geometry, KVCache, SequenceKV
+from service.sessions.scheduler import Seq, StepScheduler, Work
+from service.sessions.step import MAX_HEAD_DIM, STEP_DTYPES, SessionResult, SessionStep, check_session_id
+from service.wire.tensors import DTYPE_NAMES, DTYPES
+
+log = logging.getLogger("attnserve.sessions")
+
+CPU_KV_CACHE_MB = 256.0
+GPU_KV_CACHE_SHARE = 0.5  # of what a GPU worker may use after its warm-up (the rest: stateless requests)
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    worker: int  # index into the manager's workers
+    geometry: Geometry
+    kv: list[SequenceKV]  # one per layer
+    last_used: float = field(default_factory=time.monotonic)
+    active: int = 0  # steps accepted and not yet answered
+    ended: bool = False
+
+    @property
+    def layers(self) -> int:
+        return len(self.kv)
+
+
+class SessionTable:
+    """The ids and their sessions: creation rules, lookup, idle selection. Event loop only."""
+
+    def __init__(self, max_sessions: int, idle_s: float):
+        self.max_sessions, self.idle_s = max_sessions, idle_s
+        self.sessions: dict[str, Session] = {}
+
+    def new_id(self, session: str | None) -> str:
+        if session is None or session == "":
+            return uuid.uuid4().hex
+        check_session_id(session)
+        if session in self.sessions:
+            raise Conflict(f"session {session!r} exists; choose another id, or leave it out")
+        return session
+
+    def add(self, s: Session) -> None:
+        if len(self.sessions) >= self.max_sessions:
+            raise InsufficientStorage(
+                f"the server holds {len(self.sessions)} sessions (--max-sessions {self.max_sessions}); "
+                "0 more can be created until some end"
+            )
+        self.sessions[s.id] = s
+
+    def get(self, session: str) -> Session:
+        s = self.sessions.get(session)
+        if s is None:
+            raise NotFound(f"no session {session!r}: it was never created, has ended, or expired after "
+                           f"{self.idle_s:g} s without a step (--session-idle-s)")
+        return s
+
+    def pop(self, session: str) -> Session:
+        s = self.get(session)
+        del self.sessions[session]
+        s.ended = True
+        return s
+
+    def idle(self, now: float) -> list[Session]:
+        """Sessions without a step for ``idle_s`` and none in progress."""
+        return [s for s in self.sessions.values() if s.active == 0 and now - s.last_used >= self.idle_s]
+
+
+def kv_cache_bytes(settings: Any, worker: Any) -> int:
+    """``--kv-cache-mb``, else the default: 256 MiB on the CPU, GPU_KV_CACHE_SHARE of a GPU worker's
+    memory budget after warm-up."""
+    if settings.kv_cache_mb is not None:
+        return int(settings.kv_cache_mb * 2**20)
+    if worker.device.type == "cuda":
+        return int(GPU_KV_CACHE_SHARE * worker.memory_budget)
+    return int(CPU_KV_CACHE_MB * 2**20)
+
+
+class SessionManager:
+    def __init__(self, settings: Any, metrics: Any, workers: Sequence[Any],
+                 accepting: Callable[[], None] = lambda: None, held_elsewhere: Callable[[], int] = lambda: 0):
+        self.settings, self.metrics = settings, metrics
+        self.workers = list(workers)
+        self.table = SessionTable(settings.max_sessions, settings.session_idle_s)
+        self.caches: list[KVCache] = []
+        self.schedulers: list[StepScheduler] = []
+        self._accepting, self._held_elsewhere = accepting, held_elsewhere
+        self.held = 0  # steps accepted and not answered
+        self._expiry: asyncio.Task | None = None
+
+    # ---- life -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Once the workers are warm: a cache and a scheduler per worker; the cache's bytes come out
+        of the worker's budget for stateless requests; the idle-expiry task."""
+        for i, w in enumerate(self.workers):
+            cache = KVCache(w.device, kv_cache_bytes(self.settings, w), self.settings.kv_page_tokens)
+            if w.device.type == "cuda":
+                w.memory_budget = max(0, w.memory_budget - cache.capacity_bytes)
+            self.caches.append(cache)
+            self.schedulers.append(StepScheduler(w, cache, self.settings, self.metrics))
+            self.metrics.track_sessions(
+                w.name, lambda i=i: sum(1 for s in self.table.sessions.values() if s.worker == i),
+                lambda c=cache: c.used_bytes, lambda c=cache: c.capacity_bytes, lambda c=cache: c.pages_free,
+            )
+            log.info("worker %s: KV cache of %.1f MiB for sessions, %d tokens a page", w.name,
+                     cache.capacity_bytes / 2**20, cache.page_tokens)
+        self._expiry = asyncio.create_task(self._expire_loop(), name="attnserve-session-expiry")
+
+    async def stop(self) -> None:
+        """Finish the steps held (sessions end with the process), stop the expiry task."""
+        while self.held:
+            await asyncio.sleep(0.01)
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+
+    async def _expire_loop(self) -> None:
+        period = max(0.05, min(self.settings.session_idle_s / 4, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            for s in self.table.idle(time.monotonic()):
+                with contextlib.suppress(NotFound):
+                    await self._release(s.id)
+                    self.metrics.session_expired.inc()
+                    log.info("session %s expired after %.0f s idle", s.id, self.settings.session_idle_s)
+
+    # ---- the table ------------------------------------------------------------------------------
+
+    def create(self, session: str | None = None, layers: int = 1, num_kv_heads: int = 0, head_dim: int = 0,
+               dtype: str | torch.dtype = "float16") -> dict[str, Any]:
+        """A new session (no pages yet: they are taken as it grows); its description."""
+        self._accepting()
+        for name, value in (("layers", layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise BadRequest(f"{name} must be an integer, got {value!r}")
+        if layers < 1:
+            raise InvalidInput(f"layers must be >= 1, got {layers}")
+        if num_kv_heads < 1:
+            raise InvalidInput(f"num_kv_heads must be >= 1, got {num_kv_heads}")
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            raise InvalidInput(f"head_dim {head_dim} is not supported (1 to {MAX_HEAD_DIM})")
+        if isinstance(dtype, str):
+            if DTYPES.get(dtype) not in STEP_DTYPES:
+                raise InvalidInput(f"dtype {dtype!r} is not supported; choose float16, bfloat16 or float32")
+            dtype = DTYPES[dtype]
+        elif dtype not in STEP_DTYPES:
+            raise InvalidInput(f"dtype {dtype} is not supported; choose float16, bfloat16 or float32")
+        sid = self.table.new_id(session)
+        worker = max(range(len(self.workers)), key=lambda i: (self.caches[i].free_bytes, -i))
+        s = Session(sid, worker, Geometry(num_kv_heads, head_dim, dtype), [SequenceKV() for _ in range(layers)])
+        self.table.add(s)
+        return self._info(s)
+
+    def describe(self, session: str) -> dict[str, Any]:
+        return self._info(self.table.get(session))
+
+    def list(self) -> dict[str, Any]:
+        return {
+            "count": len(self.table.sessions),
+            "kv_bytes_used": sum(c.used_bytes for c in self.caches),
+            "kv_bytes_capacity": sum(c.capacity_bytes for c in self.caches),
+            "sessions": list(self.table.sessions),
+        }
+
+    async def delete(self, session: str) -> None:
+        await self._release(session)
+
+    def _info(self, s: Session) -> dict[str, Any]:
+        cache = self.caches[s.worker]
+        g = s.geometry
+        return {
+            "session": s.id,
+            "layers": s.layers,
+            "num_kv_heads": g.num_kv_heads,
+            "head_dim": g.head_dim,
+            "dtype": DTYPE_NAMES[g.dtype],
+            "lengths": [kv.length for kv in s.kv],
+            "kv_bytes": sum(cache.seq_bytes(g, kv) for kv in s.kv),
+            "idle_s": 0.0 if s.active else round(time.monotonic() - s.last_used, 3),
+            "device": self.workers[s.worker].name,
+        }
+
+    async def _release(self, session: str) -> None:
+        """End a session now (404 from here on) and return its pages, after the launches already
+        enqueued on its worker."""
+        s = self.table.pop(session)
+        await self.schedulers[s.worker].run(lambda cache: cache.release(s.geometry, s.kv))
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    async def step(self, step: SessionStep) -> SessionResult:
+        """Run one step (single or packed); atomic, ordered per (session, layer)."""
+        try:
+            self._accepting()
+            held = self.held + self._held_elsewhere()
+            if held >= self.settings.max_queue_size:
+                raise QueueFull(f"the server holds {held} requests (--max-queue-size "
+                                f"{self.settings.max_queue_size}); retry shortly", retry_after_s=1.0)
+            works = self._works(step)
+        except ServiceError as exc:
+            self.metrics.failed("session", exc.code)
+            raise
+        if step.deadline is None:
+            step.deadline = step.arrived + self.settings.request_timeout_ms / 1000.0
+        self.held += 1
+        for w in works:
+            for seq in w.seqs:
+                seq.session.active += 1
+        # shielded: a caller that goes away (a client disconnect) does not cut a step in half
+        task = asyncio.ensure_future(self._run(step, works))
+        try:
+            return await asyncio.shield(task)
+        except ServiceError as exc:
+            self.metrics.failed("session", exc.code)
+            raise
+
+    def _works(self, step: SessionStep) -> list[Work]:
+        by_worker: dict[int, list[Seq]] = {}
+        geometry = None
+        for sid, rows in zip(step.sessions, step.rows, strict=True):
+            s = self.table.get(sid)
+            g = s.geometry
+            if step.layer >= s.layers:
+                raise InvalidInput(f"layer {step.layer} is out of range: session {sid!r} has {s.layers} "
+                                   f"layer{'s' if s.layers > 1 else ''} (0..{s.layers - 1})")
+            if step.q.dtype != g.dtype:
+                raise InvalidInput(f"q has dtype {step.q.dtype} but session {sid!r} holds {DTYPE_NAMES[g.dtype]}")
+            if step.head_dim != g.head_dim:
+                raise InvalidInput(f"q has head dim {step.head_dim} but session {sid!r} holds {g.head_dim}")
+            if step.heads_kv is not None and step.heads_kv != g.num_kv_heads:
+                raise InvalidInput(f"k, v have {step.heads_kv} heads but session {sid!r} holds {g.num_kv_heads}")
+            if step.heads_q % g.num_kv_heads:
+                raise InvalidInput(f"q's {step.heads_q} heads must be a multiple of session {sid!r}'s "
+                                   f"{g.num_kv_heads} kv heads (GQA)")
+            if geometry is not None and g != geometry:
+                raise InvalidInput("the sessions of a packed step must share num_kv_heads, head_dim and dtype")
+            geometry = g
+            by_worker.setdefault(s.worker, []).append(Seq(s, s.kv[step.layer], rows))
+        return [Work(step, seqs, geometry) for seqs in by_worker.values()]
+
+    async def _run(self, step: SessionStep, works: list[Work]) -> SessionResult:
+        workers = [w.seqs[0].session.worker for w in works]
+        try:
+            futures = [self.schedulers[i].submit(w) for i, w in zip(workers, works, strict=True)]
+            outcomes = await asyncio.gather(*futures, return_exceptions=True)
+            error = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if error is None and time.monotonic() > step.deadline:
+                error = DeadlineExceeded("the step's deadline passed while it ran; nothing was appended")
+            if error is not None:
+                for i, w, o in zip(workers, works, outcomes, strict=True):
+                    if not isinstance(o, BaseException):  # this part ran: undo it
+                        await self.schedulers[i].run(lambda cache, w=w: [
+                            cache.truncate(w.geometry, seq.kv, c) for seq, c in zip(w.seqs, w.before, strict=True)])
+                if not isinstance(error, ServiceError):
+                    log.error("session step failed: %r", error, exc_info=error)
+                    error = ServiceError("internal error while running the step; nothing was appended")
+                raise error
+            result = self._assemble(step, works, outcomes)
+        finally:
+            now = time.monotonic()
+            for i, w in zip(workers, works, strict=True):
+                self.schedulers[i].done(w)
+                for seq in w.seqs:
+                    seq.session.active -= 1
+                    seq.session.last_used = now
+            self.held -= 1
+        self.metrics.success.labels("session").inc()
+        if step.end:
+            for sid in step.sessions:
+                with contextlib.suppress(NotFound):  # deleted meanwhile
+                    await self._release(sid)
+        return result
+
+    def _assemble(self, step: SessionStep, works: list[Work], outcomes: list) -> SessionResult:
+        lengths_of = {seq.session.id: seq.kv.length for w in works for seq in w.seqs}
+        lengths = [lengths_of[sid] for sid in step.sessions]
+        if len(works) == 1 and [s.session.id for s in works[0].seqs] == list(step.sessions):
+            o, lse = outcomes[0]
+        else:  # parts from several workers: each session's rows back in their place
+            t = step.q.shape[0]
+            o = torch.empty(t, step.heads_q, step.head_dim, dtype=step.q.dtype)
+            lse = torch.empty(step.heads_q, t, dtype=torch.float32)
+            for w, (o_w, lse_w) in zip(works, outcomes, strict=True):
+                at = 0
+                for seq in w.seqs:
+                    a, b = seq.rows
+                    o[a:b], lse[:, a:b] = o_w[at : at + b - a], lse_w[:, at : at + b - a]
+                    at += b - a
+        return step.result(o, lse, lengths)
+

@@ -1,0 +1,351 @@
+"""Session steps batched into paged launches, one scheduler per worker (API.md §9, §10).
+
+A ``Work`` is the part of a step that one worker runs: its sessions' rows (a step's sessions may be
+held by several workers; each runs its own part). Works wait in their worker's FIFO; the policy is
+the batcher's (``service.core.batcher``): a worker with nothing running never waits (the works that
+arrived in the same loop iteration go together); while it is busy, works gather until they hold
+``--max-batch-tokens`` query rows or the oldest has waited ``--max-queue-delay-ms``. A launch takes
+the oldest launchable work's key (Hq, Hkv, D, dtype, causal, scale: what the kernels see; lse is
+always computed, so return_lse is not part of it) and every later work of that key.
+
+Order: a work holds its (session, layer) pairs from launch until its step is answered (``done``);
+a work with a pair held, or held by an earlier work still queued, waits. So steps on one (session,
+layer) take effect in the order accepted, and a failed step can still be undone (``truncate``).
+
+One launch (``launch_steps``, on the worker's launcher thread): reserve each work's pages (a work
+that does not fit fails alone with 507, its sessions' lengths unchanged), stage q/k/v, one
+``kernels.append_paged``, one ``kernels.attention_paged`` over the works' block tables, copy o and
+lse back. If the launch raises, every reservation is rolled back; after a device out-of-memory
+the works are retried one by one (alone, 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import kernels
+from service.errors import DeadlineExceeded, InvalidInput, NotFound, ServiceError, Unavailable, from_kernel_error
+from service.sessions.cache import Geometry, KVCache, Reservation, SequenceKV
+from service.sessions.step import SessionStep
+
+log = logging.getLogger("attnserve.sessions")
+
+STAGED_PER_WORKER = 2  # one launch running + one staged behind it, as the batcher
+
+
+@dataclass(eq=False)
+class Seq:
+    """One session of a work: its layer's KV, and its rows in the step's q (and k, v)."""
+
+    session: Any  # service.sessions.manager.Session
+    kv: SequenceKV
+    rows: tuple[int, int]
+
+
+@dataclass(eq=False)
+class Work:
+    step: SessionStep
+    seqs: list[Seq]
+    geometry: Geometry
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    enqueued: float = field(default_factory=time.monotonic)
+    launched: bool = False
+    before: list[int] = field(default_factory=list)  # each seq's length before the step (launcher thread)
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def key(self) -> Hashable:
+        s = self.step
+        return (s.heads_q, self.geometry, s.causal, s.scale)
+
+    @property
+    def pairs(self) -> set[tuple[str, int]]:
+        return {(seq.session.id, self.step.layer) for seq in self.seqs}
+
+    @property
+    def tokens(self) -> int:
+        return sum(b - a for a, b in (s.rows for s in self.seqs))
+
+
+# ---------------------------------------------------------------- the launch (launcher thread)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+@dataclass
+class _Launched:
+    works: list[Work]
+    o: torch.Tensor  # host (ΣT, Hq, D)
+    lse: torch.Tensor  # host (Hq, ΣT)
+
+
+def launch_steps(cache: KVCache, works: list[Work], lock: Any) -> tuple[tuple[list[_Launched], dict], Any]:
+    """Launcher thread: run ``works`` (one key) in one paged launch. Returns ((launched parts,
+    {work: error}), the CUDA event after the last copy or None)."""
+    failed: dict[Work, ServiceError] = {}
+    now = time.monotonic()
+    live: list[tuple[Work, Reservation]] = []
+    for w in works:
+        try:
+            if w.step.deadline is not None and w.step.deadline <= now:
+                raise DeadlineExceeded("the step's deadline passed before it could run; nothing was appended")
+            live.append((w, _reserve(cache, w)))
+        except ServiceError as exc:
+            failed[w] = exc
+    parts: list[_Launched] = []
+    done = None
+    if live:
+        done = _launch_or_split(cache, live, lock, parts, failed)
+    return (parts, failed), done
+
+
+def _reserve(cache: KVCache, w: Work) -> Reservation:
+    step = w.step
+    grow = []
+    w.before = []
+    for seq in w.seqs:
+        if seq.session.ended:
+            raise NotFound(f"session {seq.session.id!r} ended before this step ran; nothing was appended")
+        n = seq.rows[1] - seq.rows[0]
+        new = n if step.k is not None else 0
+        if seq.kv.length + new < n:
+            raise InvalidInput(
+                f"session {seq.session.id!r} layer {step.layer} holds {seq.kv.length} keys, fewer than the "
+                f"step's {n} queries: a step without k, v needs as many keys held as it has query rows"
+            )
+        w.before.append(seq.kv.length)
+        grow.append((seq.kv, new))
+    return cache.reserve(w.geometry, grow)
+
+
+def _launch_or_split(cache, live, lock, parts, failed):
+    try:
+        return _enqueue(cache, [w for w, _ in live], lock, parts)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the works' outcome
+        for _, r in reversed(live):
+            cache.rollback(r)
+        if _is_oom(exc):
+            if cache.device.type == "cuda":
+                torch.cuda.synchronize(cache.device)
+                torch.cuda.empty_cache()
+            if len(live) > 1:  # alone, each work gets its own chance
+                done = None
+                for w, _ in live:
+                    try:
+                        r = _reserve(cache, w)
+                    except ServiceError as e:
+                        failed[w] = e
+                        continue
+                    done = _launch_or_split(cache, [(w, r)], lock, parts, failed) or done
+                return done
+            error: ServiceError = Unavailable("the device ran out of memory for this step; nothing was "
+                                              "appended; retry later or send fewer rows")
+        elif isinstance(exc, ServiceError):
+            error = exc
+        elif isinstance(exc, kernels.AttentionInputError):
+            error = from_kernel_error(exc)
+        else:
+            log.error("session launch of %d steps failed: %r", len(live), exc, exc_info=exc)
+            error = ServiceError("internal error while running the step; nothing was appended")
+        for w, _ in live:
+            failed[w] = error
+        return None
+
+
+def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched]) -> Any:
+    """Stage, append, attend, copy back (asynchronously on a GPU). Lengths are already reserved."""
+    device, cuda = cache.device, cache.device.type == "cuda"
+    first = works[0].step
+    arena = cache.arena(works[0].geometry)
+    seqs = [(w, s, c) for w in works for s, c in zip(w.seqs, w.before, strict=True)]
+    q_parts, k_parts, v_parts = [], [], []
+    cu_q, cu_new, before, after, tables = [0], [0], [], [], []
+    for w, s, c in seqs:
+        a, b = s.rows
+        q_parts.append(w.step.q[a:b])  # (n, Hq, D)
+        if w.step.k is not None:
+            k_parts.append(w.step.k[a:b])
+            v_parts.append(w.step.v[a:b])
+        cu_q.append(cu_q[-1] + b - a)
+        cu_new.append(cu_new[-1] + (b - a if w.step.k is not None else 0))
+        before.append(c)
+        after.append(s.kv.length)
+        tables.append(s.kv.pages)
+    width = max(1, max(len(t) for t in tables))
+    n_seq = len(seqs)
+    # one int32 host tensor for every index: cu_q (S+1), cu_new (S+1), before (S), after (S), table (S, width)
+    index = torch.zeros(2 * (n_seq + 1) + 2 * n_seq + n_seq * width, dtype=torch.int32, pin_memory=cuda)
+    flat = cu_q + cu_new + before + after
+    index[: len(flat)] = torch.tensor(flat, dtype=torch.int32)
+    table = index[len(flat):].view(n_seq, width)
+    for i, t in enumerate(tables):
+        if t:
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = _host_cat(q_parts, pin=cuda)  # (ΣT, Hq, D)
+    k = _host_cat(k_parts, pin=cuda) if k_parts else None  # (ΣT_new, Hkv, D)
+    v = _host_cat(v_parts, pin=cuda) if v_parts else None
+    if cuda:
+        index, q = index.to(device, non_blocking=True), q.to(device, non_blocking=True)
+        if k is not None:
+            k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+    s1 = n_seq + 1
+    d_cu_q, d_cu_new = index[:s1], index[s1 : 2 * s1]
+    d_before, d_after = index[2 * s1 : 2 * s1 + n_seq], index[2 * s1 + n_seq : 2 * s1 + 2 * n_seq]
+    d_table = index[2 * s1 + 2 * n_seq :].view(n_seq, width)
+    with lock:
+        if k is not None:
+            kernels.append_paged(arena.k, arena.v, d_table, d_before, k, v, d_cu_new)
+        o, lse = kernels.attention_paged(q, arena.k, arena.v, d_table, d_after, d_cu_q, causal=first.causal,
+                                         scale=first.scale, return_lse=True)
+    done = None
+    if cuda:
+        o_host = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
+        lse_host = torch.empty(lse.shape, dtype=lse.dtype, pin_memory=True)
+        o_host.copy_(o, non_blocking=True)
+        lse_host.copy_(lse, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        o, lse = o_host, lse_host
+    parts.append(_Launched(works, o, lse))
+    return done
+
+
+def _host_cat(parts: list[torch.Tensor], pin: bool) -> torch.Tensor:
+    if not pin and len(parts) == 1:
+        return parts[0].contiguous()
+    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=pin)
+    torch.cat(parts, out=out)
+    return out
+
+
+# ---------------------------------------------------------------- the scheduler (event loop)
+
+
+class StepScheduler:
+    """One worker's queue of works, dispatched by the policy in the module docstring."""
+
+    def __init__(self, worker: Any, cache: KVCache, settings: Any, metrics: Any):
+        self.worker, self.cache, self.settings = worker, cache, settings
+        self.queue: deque[Work] = deque()
+        self.tokens = 0  # query rows queued
+        self.inflight = 0  # launches running
+        self.busy: set[tuple[str, int]] = set()  # (session, layer) pairs of works launched, not yet done
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._batch_size = metrics.session_batch_size.labels(worker.name)
+
+    def submit(self, work: Work) -> asyncio.Future:
+        self.queue.append(work)
+        self.tokens += work.tokens
+        if work.step.deadline is not None:
+            loop = asyncio.get_running_loop()
+            work.timer = loop.call_at(loop.time() + work.step.deadline - time.monotonic(), self._expire, work)
+        self._soon()
+        return work.future
+
+    def done(self, work: Work) -> None:
+        """The step of ``work`` is answered (and undone if it failed): its pairs are free again."""
+        self.busy -= work.pairs
+        if work.timer is not None:
+            work.timer.cancel()
+        if not work.launched:
+            self._drop(work)
+        self._soon()
+
+    def run(self, fn) -> asyncio.Future:
+        """Run ``fn(cache)`` on the worker's launcher thread, in order with the launches."""
+        return self.worker.run_on_device(lambda lock: (fn(self.cache), None))
+
+    def _drop(self, work: Work) -> None:
+        with contextlib.suppress(ValueError):
+            self.queue.remove(work)
+            self.tokens -= work.tokens
+
+    def _expire(self, work: Work) -> None:
+        work.timer = None
+        if not work.launched and not work.future.done():
+            self._drop(work)
+            work.future.set_exception(DeadlineExceeded("the step's deadline passed while it was queued; "
+                                                       "nothing was appended"))
+
+    def _soon(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        delay = self.settings.max_queue_delay_ms / 1000.0
+        while self.queue and self.inflight < STAGED_PER_WORKER:
+            idle = self.inflight == 0 and getattr(self.worker, "inflight", 0) == 0
+            if not idle and self.settings.batching:
+                waited = time.monotonic() - self.queue[0].enqueued
+                if self.tokens < self.settings.max_batch_tokens and waited < delay:
+                    self._timer = asyncio.get_running_loop().call_later(delay - waited, self._soon)
+                    return
+            batch = self._take()
+            if not batch:
+                return  # every queued work waits for a pair held by a running one: ``done`` wakes us
+            self._launch(batch)
+
+    def _take(self) -> list[Work]:
+        claimed = set(self.busy)
+        batch: list[Work] = []
+        key, tokens, limit = None, 0, self.settings.max_batch_tokens
+        for w in self.queue:
+            pairs = w.pairs
+            fits = not (pairs & claimed) and (key is None or (
+                w.key == key and self.settings.batching and tokens + w.tokens <= limit))
+            if fits:
+                key = w.key
+                batch.append(w)
+                tokens += w.tokens
+            claimed |= pairs  # a later work on these pairs waits (order of acceptance)
+        for w in batch:
+            self.queue.remove(w)
+            w.launched = True
+            self.busy |= w.pairs
+        self.tokens -= tokens
+        return batch
+
+    def _launch(self, batch: list[Work]) -> None:
+        self.inflight += 1
+        self._batch_size.observe(len(batch))
+        answers = self.worker.run_on_device(lambda lock: launch_steps(self.cache, batch, lock))
+        answers.add_done_callback(lambda f: self._finished(batch, f))
+
+    def _finished(self, batch: list[Work], answers: asyncio.Future) -> None:
+        self.inflight -= 1
+        try:
+            parts, failed = answers.result()
+        except Exception as exc:  # noqa: BLE001 - a device error after the launch: its works fail
+            log.error("session launch on %s failed: %r", self.worker.name, exc, exc_info=exc)
+            error = exc if isinstance(exc, ServiceError) else ServiceError("internal error while running the step")
+            parts, failed = [], {w: error for w in batch}
+        for w, exc in failed.items():
+            if not w.future.done():
+                w.future.set_exception(exc)
+        for part in parts:
+            at = 0
+            for w in part.works:
+                n = w.tokens
+                if not w.future.done():
+                    w.future.set_result((part.o[at : at + n], part.lse[:, at : at + n]))
+                at += n
+        self._soon()

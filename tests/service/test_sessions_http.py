@@ -1,0 +1,345 @@
+"""Sessions over HTTP against real CPU servers (API.md §10): steps equal /attention over the whole
+K, V and a float64 reference; packed steps equal single ones; concurrency shares launches; failed
+steps append nothing; 507, expiry, 404/409/422; DELETE returns the memory."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+import safetensors.torch as st
+import torch
+from conftest import FAST, run_server
+from reference64 import attention64
+
+HKV, HQ, D = 2, 4, 16  # GQA 2:1; D = 16 the warmed head dim
+ST = {"Content-Type": "application/x-safetensors"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("sessions"), *FAST, "--kv-page-tokens", "5") as s:
+        yield s  # 5 tokens a page: steps cross page boundaries
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60.0) as c:
+        yield c
+
+
+def create(http, session=None, layers=1, hkv=HKV, d=D, dtype="float32", status=201):
+    body = {"layers": layers, "num_kv_heads": hkv, "head_dim": d, "dtype": dtype}
+    if session is not None:
+        body["session"] = session
+    r = http.post("/sessions", json=body)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def step(http, session, q, k=None, v=None, status=200, **options):
+    tensors = {"q": q} if k is None else {"q": q, "k": k, "v": v}
+    params = {name: str(value).lower() for name, value in options.items()}
+    r = http.post(f"/sessions/{session}/attend", params=params, headers=ST,
+                  content=st.save({n: t.contiguous().clone() for n, t in tensors.items()}))
+    assert r.status_code == status, r.text
+    return st.load(r.content) if status == 200 else r.json()
+
+
+def attention(http, q, k, v, **options):
+    params = {name: str(value).lower() for name, value in options.items()}
+    r = http.post("/attention", params=params, headers=ST, content=st.save({"q": q, "k": k, "v": v}))
+    assert r.status_code == 200, r.text
+    return st.load(r.content)
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def lengths(http, session):
+    return http.get(f"/sessions/{session}").json()["lengths"]
+
+
+def metric(http, name):
+    text = http.get("/metrics").text
+    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_steps_equal_attention_over_the_whole_cache_and_float64(http):
+    """Chunked prefill then decode on two layers: each step's o equals POST /attention of q over
+    the layer's concatenated keys (bottom-right causal), and the float64 reference."""
+    sid = create(http, layers=2)["session"]
+    ks, vs = {0: [], 1: []}, {0: [], 1: []}
+    for i, (n, layer) in enumerate([(7, 0), (3, 1), (1, 0), (4, 0), (1, 1), (1, 0)]):
+        q, k, v = rand(1, HQ, n, D, seed=3 * i), rand(1, HKV, n, D, seed=3 * i + 1), rand(1, HKV, n, D, seed=3 * i + 2)
+        got = step(http, sid, q, k, v, layer=layer, return_lse=True)
+        ks[layer].append(k)
+        vs[layer].append(v)
+        kk, vv = torch.cat(ks[layer], 2), torch.cat(vs[layer], 2)
+        want = attention(http, q, kk, vv, causal=True, return_lse=True)
+        torch.testing.assert_close(got["o"], want["o"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["lse"], want["lse"], rtol=1e-5, atol=1e-5)
+        o64, lse64 = attention64(q, kk, vv, causal=True)
+        torch.testing.assert_close(got["o"].double(), o64, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got["lse"].double(), lse64, rtol=1e-4, atol=1e-4)
+        assert got["o"].shape == (1, HQ, n, D) and got["lse"].shape == (1, HQ, n)
+    assert lengths(http, sid) == [7 + 1 + 4 + 1, 3 + 1]
+    info = http.get(f"/sessions/{sid}").json()
+    assert info["kv_bytes"] == (3 + 1) * 2 * 5 * HKV * D * 4  # 13 keys: 3 pages; 4 keys: 1 page
+    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["layers"] == 2
+
+    # q-only steps attend to what is held and append nothing; causal=false sees every key; bnhd
+    q = rand(1, HQ, 2, D, seed=99)
+    kk, vv = torch.cat(ks[0], 2), torch.cat(vs[0], 2)
+    got = step(http, sid, q)
+    torch.testing.assert_close(got["o"], attention(http, q, kk, vv, causal=True)["o"], rtol=1e-5, atol=1e-5)
+    got = step(http, sid, q, causal=False)
+    torch.testing.assert_close(got["o"], attention(http, q, kk, vv)["o"], rtol=1e-5, atol=1e-5)
+    got = step(http, sid, q.transpose(1, 2), layout="bnhd")
+    assert got["o"].shape == (1, 2, HQ, D)
+    torch.testing.assert_close(got["o"].transpose(1, 2), attention(http, q, kk, vv, causal=True)["o"],
+                               rtol=1e-5, atol=1e-5)
+    assert lengths(http, sid) == [13, 4]
+
+    # end: answered, then released
+    got = step(http, sid, q, end=True)
+    assert http.get(f"/sessions/{sid}").status_code == 404
+
+
+def test_json_steps_and_packed_steps_equal_single_steps(http):
+    sizes = [3, 1, 6]  # prefill lengths per session
+    sids = [create(http)["session"] for _ in sizes]
+    for i, (sid, n) in enumerate(zip(sids, sizes, strict=True)):
+        step(http, sid, rand(1, HQ, n, D, seed=i), rand(1, HKV, n, D, seed=10 + i), rand(1, HKV, n, D, seed=20 + i))
+    twins = [create(http)["session"] for _ in sizes]  # the same history, stepped one by one
+    for i, (sid, n) in enumerate(zip(twins, sizes, strict=True)):
+        step(http, sid, rand(1, HQ, n, D, seed=i), rand(1, HKV, n, D, seed=10 + i), rand(1, HKV, n, D, seed=20 + i))
+    new = [2, 1, 3]
+    qs = [rand(n, HQ, D, seed=40 + i) for i, n in enumerate(new)]
+    ks = [rand(n, HKV, D, seed=50 + i) for i, n in enumerate(new)]
+    vs = [rand(n, HKV, D, seed=60 + i) for i, n in enumerate(new)]
+    body = st.save({"q": torch.cat(qs), "k": torch.cat(ks), "v": torch.cat(vs),
+                    "q_lengths": torch.tensor(new, dtype=torch.int32)},
+                   metadata={"sessions": ",".join(sids), "return_lse": "true"})
+    r = http.post("/sessions/attend", headers=ST, content=body)
+    assert r.status_code == 200, r.text
+    packed = st.load(r.content)
+    assert packed["o"].shape == (6, HQ, D) and packed["lse"].shape == (HQ, 6)
+    at = 0
+    for i, (sid, n) in enumerate(zip(twins, new, strict=True)):
+        # JSON base64 single step on the twin: the same bits as its rows of the packed step
+        b64 = {"q": _b64(qs[i].transpose(0, 1)[None]), "k": _b64(ks[i].transpose(0, 1)[None]),
+               "v": _b64(vs[i].transpose(0, 1)[None]), "return_lse": True}
+        r = http.post(f"/sessions/{sid}/attend", json=b64)
+        assert r.status_code == 200, r.text
+        one = _unb64(r.json()["o"])
+        assert torch.equal(one[0].transpose(0, 1), packed["o"][at : at + n])
+        assert torch.equal(_unb64(r.json()["lse"])[0], packed["lse"][:, at : at + n])
+        at += n
+    assert [lengths(http, s)[0] for s in sids] == [a + b for a, b in zip(sizes, new, strict=True)]
+    # JSON packed, q_lengths as a list, q-only
+    r = http.post("/sessions/attend", json={"sessions": sids[:2], "q": torch.cat(qs[:2]).tolist(), "q_lengths": [2, 1]})
+    assert r.status_code == 200, r.text
+    assert torch.tensor(r.json()["o"]).shape == (3, HQ, D)
+
+
+def _b64(t):
+    import base64
+
+    data = base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+    return {"shape": list(t.shape), "dtype": "float32", "data": data}
+
+
+def _unb64(doc):
+    import base64
+
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(base64.b64decode(doc["data"]), dtype=np.float32).copy()).reshape(doc["shape"])
+
+
+def test_many_sessions_step_concurrently_and_share_launches(http):
+    """32 sessions of different lengths step from 32 threads at once: each answer is right (against
+    /attention over its own keys) and the steps share launches."""
+    n_sessions, rounds = 32, 3
+    sids = [create(http)["session"] for _ in range(n_sessions)]
+    history = {sid: ([], []) for sid in sids}
+    launches0 = metric(http, "attnserve_session_batch_size_count")
+    steps0 = metric(http, "attnserve_session_batch_size_sum")
+    errors, answers = [], {}
+    barrier = threading.Barrier(n_sessions)
+
+    def run(i, sid):
+        try:
+            with httpx.Client(base_url=http.base_url, timeout=60.0) as c:
+                for r in range(rounds):
+                    n = 1 + (i + r) % 4
+                    q, k, v = (rand(1, h, n, D, seed=1000 * i + 10 * r + j) for j, h in enumerate((HQ, HKV, HKV)))
+                    barrier.wait()
+                    answers[sid, r] = (q, k, v, step(c, sid, q, k, v))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i, sid)) for i, sid in enumerate(sids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    for sid in sids:
+        ks, vs = history[sid]
+        for r in range(rounds):
+            q, k, v, got = answers[sid, r]
+            ks.append(k)
+            vs.append(v)
+            o64, _ = attention64(q, torch.cat(ks, 2), torch.cat(vs, 2), causal=True)
+            torch.testing.assert_close(got["o"].double(), o64, rtol=1e-4, atol=1e-4)
+        assert lengths(http, sid) == [sum(k.shape[2] for k in ks)]
+    launches = metric(http, "attnserve_session_batch_size_count") - launches0
+    steps = metric(http, "attnserve_session_batch_size_sum") - steps0
+    assert steps == n_sessions * rounds
+    assert launches < steps / 2, (launches, steps)  # steps shared launches
+
+
+def test_a_failed_step_appends_nothing(http):
+    sid = create(http, "fails.1")["session"]
+    step(http, sid, rand(1, HQ, 3, D, seed=1), rand(1, HKV, 3, D, seed=2), rand(1, HKV, 3, D, seed=3))
+    bad = [
+        ({"q": rand(1, HQ, 2, D, seed=4), "k": rand(1, 1, 2, D, seed=5), "v": rand(1, 1, 2, D, seed=6)}, {}, 422),
+        ({"q": rand(1, HQ, 2, 8, seed=4)}, {}, 422),  # head dim not the session's
+        ({"q": rand(1, HQ, 2, D, seed=4).half()}, {}, 422),  # dtype not the session's
+        ({"q": rand(1, HQ, 2, D, seed=4)}, {"layer": "1"}, 422),  # layer out of range
+        ({"q": rand(1, HQ, 9, D, seed=4)}, {}, 422),  # a q-only step with more queries than keys
+        ({"q": rand(1, HQ, 2, D, seed=4), "k": rand(1, HKV, 2, D, seed=5)}, {}, 400),  # k without v
+        ({"q": rand(1, HQ, 2, D, seed=4)}, {"casual": "true"}, 400),  # unknown option
+        ({"q": rand(1, HQ, 2, D, seed=4), "k": rand(1, HKV, 2, D, seed=5), "v": rand(1, HKV, 2, D, seed=6)},
+         {"_timeout": "0"}, 504),
+    ]
+    for tensors, params, status in bad:
+        headers = dict(ST)
+        if "_timeout" in params:
+            headers["X-Request-Timeout-Ms"] = params.pop("_timeout")
+        r = http.post(f"/sessions/{sid}/attend", params=params, headers=headers, content=st.save(tensors))
+        assert r.status_code == status, (params, r.text)
+        assert set(r.json()["error"]) == {"code", "message"}
+        assert lengths(http, sid) == [3]
+    # packed: q_lengths not adding up; an unknown session among known ones
+    q = rand(3, HQ, D, seed=7)
+    r = http.post("/sessions/attend", json={"sessions": [sid], "q": q.tolist(), "q_lengths": [2]})
+    assert r.status_code == 422, r.text
+    r = http.post("/sessions/attend", json={"sessions": [sid, "nope"], "q": q.tolist(), "q_lengths": [1, 2]})
+    assert r.status_code == 404, r.text
+    assert lengths(http, sid) == [3]
+
+
+def test_create_get_delete_and_errors(http):
+    info = create(http, "seq:7", layers=3, hkv=1, d=40, dtype="bfloat16")
+    assert info == {"session": "seq:7", "layers": 3, "num_kv_heads": 1, "head_dim": 40, "dtype": "bfloat16",
+                    "lengths": [0, 0, 0], "kv_bytes": 0, "idle_s": 0.0, "device": "cpu"}
+    create(http, "seq:7", status=409)
+    for bad in ("attend", "..", "a b", "x" * 129):
+        create(http, bad, status=400)
+    create(http, hkv=0, status=422)
+    create(http, d=257, status=422)
+    create(http, dtype="int32", status=422)
+    assert http.post("/sessions", json={"head_dim": 8}).status_code == 400
+    assert http.post("/sessions", json={"num_kv_heads": 1, "head_dim": 8, "colour": 1}).status_code == 400
+    assert "seq:7" in http.get("/sessions").json()["sessions"]
+    assert http.get("/sessions/nope").status_code == 404
+    r = http.post("/sessions/nope/attend", headers=ST, content=st.save({"q": rand(1, 1, 1, 8, seed=0)}))
+    assert r.status_code == 404
+    assert http.delete("/sessions/seq:7").status_code == 204
+    assert http.delete("/sessions/seq:7").status_code == 404
+    assert http.get("/sessions/seq:7").status_code == 404
+
+
+def test_delete_returns_the_memory(http):
+    for sid in http.get("/sessions").json()["sessions"]:  # what earlier tests left
+        assert http.delete(f"/sessions/{sid}").status_code == 204
+    sids = [create(http)["session"] for _ in range(4)]
+    for i, sid in enumerate(sids):
+        step(http, sid, rand(1, HQ, 9, D, seed=i), rand(1, HKV, 9, D, seed=i + 1), rand(1, HKV, 9, D, seed=i + 2))
+    listing = http.get("/sessions").json()
+    assert listing["count"] == 4 and listing["kv_bytes_used"] == 4 * 2 * (2 * 5 * HKV * D * 4)
+    assert metric(http, "attnserve_kv_cache_used_bytes") == listing["kv_bytes_used"]
+    assert metric(http, "attnserve_sessions") == 4
+    for sid in sids:
+        assert http.delete(f"/sessions/{sid}").status_code == 204
+    listing = http.get("/sessions").json()
+    assert listing["count"] == 0 and listing["kv_bytes_used"] == 0 and listing["kv_bytes_capacity"] == 256 << 20
+
+
+def test_cache_full_is_507_and_idle_sessions_expire(tmp_path):
+    # 4 KiB of cache: 8 pages of 16 tokens x 1 head x 4 dims x float32, keys and values
+    args = (*FAST, "--kv-cache-mb", str(4096 / 2**20), "--kv-page-tokens", "16", "--session-idle-s", "3",
+            "--max-sessions", "3")
+    with run_server(tmp_path, *args) as s, httpx.Client(base_url=s.url, timeout=30.0) as http:
+        a = create(http, "a", hkv=1, d=4)["session"]
+        b = create(http, "b", hkv=1, d=4)["session"]
+        kv = rand(1, 1, 48, 4, seed=1)
+        step(http, a, rand(1, 1, 48, 4, seed=0), kv, kv)  # 3 pages of 8
+        step(http, b, rand(1, 1, 64, 4, seed=0), torch.cat([kv, kv[:, :, :16]], 2), torch.cat([kv, kv[:, :, :16]], 2))
+        big = rand(1, 1, 20, 4, seed=2)  # 2 more pages: 9 of 8
+        err = step(http, a, big, big, big, status=507)
+        assert "free" in err["error"]["message"] and err["error"]["code"] == "insufficient_storage"
+        assert lengths(http, a) == [48] and lengths(http, b) == [64]
+        got = step(http, a, rand(1, 1, 16, 4, seed=3), big[:, :, :16], big[:, :, :16])  # the last page fits
+        assert got["o"].shape == (1, 1, 16, 4) and lengths(http, a) == [64]
+        create(http, "c", hkv=1, d=4)
+        create(http, "d", hkv=1, d=4, status=507)  # --max-sessions 3
+        assert metric(http, "attnserve_kv_cache_pages_free") == 0
+        # idle expiry: b and c go after 3 s without a step; a, kept busy, stays
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5.0:
+            step(http, a, rand(1, 1, 1, 4, seed=4))  # q-only: appends nothing
+            time.sleep(0.5)
+        assert http.get("/sessions").json()["sessions"] == ["a"]
+        assert http.get("/sessions/b").status_code == 404
+        assert metric(http, "attnserve_session_expired_total") == 2
+        assert http.get("/sessions").json()["kv_bytes_used"] == 4 * 2 * 16 * 4 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_steps_match_attention_and_are_batch_invariant(tmp_path, dtype):
+    """On a GPU (the Triton paged kernels): 16 sessions (GQA 8:2, D = 128, page 16) prefill then
+    decode; packed steps give each session the bits of its step alone, within 2x of /attention's
+    error against float64."""
+    tdt = getattr(torch, dtype)
+    with run_server(tmp_path, "--device", "cuda:0", "--grpc-port", "0", "--kv-page-tokens", "16",
+                    "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", dtype) as s, \
+            httpx.Client(base_url=s.url, timeout=120.0) as http:
+        hq, hkv, d, n_s = 8, 2, 128, 16
+        sids = [create(http, hkv=hkv, d=d, dtype=dtype)["session"] for _ in range(n_s)]
+        twins = [create(http, hkv=hkv, d=d, dtype=dtype)["session"] for _ in range(n_s)]
+        ks = {i: [] for i in range(n_s)}
+        vs = {i: [] for i in range(n_s)}
+        for r, sizes in enumerate([[17 + 13 * i for i in range(n_s)], [1] * n_s, [1 + i % 3 for i in range(n_s)]]):
+            qs = [rand(n, hq, d, seed=100 * r + i).to(tdt) for i, n in enumerate(sizes)]
+            kn = [rand(n, hkv, d, seed=100 * r + 50 + i).to(tdt) for i, n in enumerate(sizes)]
+            vn = [rand(n, hkv, d, seed=100 * r + 80 + i).to(tdt) for i, n in enumerate(sizes)]
+            body = st.save({"q": torch.cat(qs), "k": torch.cat(kn), "v": torch.cat(vn),
+                            "q_lengths": torch.tensor(sizes, dtype=torch.int32)}, metadata={"sessions": ",".join(sids)})
+            r_ = http.post("/sessions/attend", headers=ST, content=body)
+            assert r_.status_code == 200, r_.text
+            packed = st.load(r_.content)["o"]
+            at = 0
+            for i, n in enumerate(sizes):
+                q4, k4, v4 = (t.transpose(0, 1)[None] for t in (qs[i], kn[i], vn[i]))
+                alone = step(http, twins[i], q4, k4, v4)["o"][0].transpose(0, 1)
+                assert torch.equal(alone, packed[at : at + n])  # batch invariance
+                ks[i].append(k4)
+                vs[i].append(v4)
+                kk, vv = torch.cat(ks[i], 2), torch.cat(vs[i], 2)
+                o64, _ = attention64(q4, kk, vv, causal=True)
+                ref = attention(http, q4, kk, vv, causal=True)["o"]
+                err = (alone.transpose(0, 1)[None].double() - o64).abs().max()
+                ref_err = (ref.double() - o64).abs().max()
+                assert err <= 2 * ref_err + 1e-3, (err, ref_err)
+                at += n
+        assert metric(http, "attnserve_session_batch_size_count") >= 1
