@@ -1,0 +1,183 @@
+"""Session benchmark: a decode step that sends only its new token, against the stateless call that
+re-sends the whole context, and a packed step of many sessions.
+
+    python -m bench.sessions                          # starts `python -m service` itself (--device auto)
+    python -m bench.sessions --contexts 1024,8192,32768 --iters 200 --packed 64
+
+Rows (Hq 32, Hkv 8, D 128, bf16 on a GPU; smaller on the CPU), over HTTP with safetensors bodies:
+  step C          one session holding C cached tokens: POST /sessions/{id}/attend with q, k, v of one
+                  token (the context grows by one token a step); p50/p99 in ms.
+  stateless C     POST /attention with q of one token against all C keys and values.
+  packed S        one POST /sessions/attend naming S sessions of mixed lengths, one token each,
+                  beside the kernel's own time for the same paged launch (read off /metrics is not
+                  possible per launch, so the kernel is timed in this process on the same lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import httpx
+import safetensors.torch as st
+import torch
+
+from bench.http_latency import local_server, pct
+
+HAS_CUDA = torch.cuda.is_available()
+HQ, HKV, D = (32, 8, 128) if HAS_CUDA else (8, 2, 64)
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+CHUNK = 2048  # prefill chunk: keeps each request well under the body limit
+
+
+def _rand(*shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DTYPE)
+
+
+def _body(**tensors: torch.Tensor) -> bytes:
+    return st.save({k: v.contiguous() for k, v in tensors.items()})
+
+
+def _post(client: httpx.Client, path: str, body: bytes, params: dict | None = None) -> httpx.Response:
+    r = client.post(path, content=body, params=params, headers={"content-type": "application/x-safetensors"})
+    if r.status_code >= 300:
+        raise RuntimeError(f"{path}: {r.status_code} {r.text[:300]}")
+    return r
+
+
+def create(client: httpx.Client, context: int, seed: int) -> str:
+    """A session holding ``context`` tokens, prefilled in chunks (causal)."""
+    r = client.post("/sessions", json={"layers": 1, "num_kv_heads": HKV, "head_dim": D,
+                                       "dtype": str(DTYPE).removeprefix("torch.")})
+    r.raise_for_status()
+    sid = r.json()["session"]
+    done = 0
+    while done < context:
+        n = min(CHUNK, context - done)
+        _post(client, f"/sessions/{sid}/attend", _body(q=_rand(1, HQ, n, D, seed=seed + done),
+                                                        k=_rand(1, HKV, n, D, seed=seed + done + 1),
+                                                        v=_rand(1, HKV, n, D, seed=seed + done + 2)))
+        done += n
+    return sid
+
+
+def timed(call, iters: int, warmup: int = 5) -> list[float]:
+    for _ in range(warmup):
+        call()
+    xs = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        xs.append((time.perf_counter() - t0) * 1e3)
+    return xs
+
+
+def step_row(client: httpx.Client, c: int, iters: int) -> tuple:
+    """(context, step bytes, step p50, p99, stateless bytes, stateless p50, p99, stateless/step)."""
+    sid = create(client, c, seed=c)
+    bodies = [_body(q=_rand(1, HQ, 1, D, seed=i), k=_rand(1, HKV, 1, D, seed=i + 1),
+                    v=_rand(1, HKV, 1, D, seed=i + 2)) for i in range(8)]
+    it = iter(range(10**9))
+    step = timed(lambda: _post(client, f"/sessions/{sid}/attend", bodies[next(it) % 8]), iters)
+    client.delete(f"/sessions/{sid}")
+    stateless_body = _body(q=_rand(1, HQ, 1, D, seed=0), k=_rand(1, HKV, c, D, seed=1), v=_rand(1, HKV, c, D, seed=2))
+    stateless = timed(lambda: _post(client, "/attention", stateless_body), max(5, iters // 10), warmup=2)
+    s50, a50 = statistics.median(step), statistics.median(stateless)
+    return c, len(bodies[0]), s50, pct(step, 99), len(stateless_body), a50, pct(stateless, 99), a50 / s50
+
+
+def packed_row(client: httpx.Client, sessions: int, max_context: int, iters: int) -> tuple:
+    lengths = [max(1024, int(max_context * (i + 1) / sessions)) for i in range(sessions)]
+    ids = [create(client, n, seed=7 * i) for i, n in enumerate(lengths)]
+    q, k, v = _rand(sessions, HQ, D, seed=1), _rand(sessions, HKV, D, seed=2), _rand(sessions, HKV, D, seed=3)
+    body = st.save({"q": q, "k": k, "v": v, "q_lengths": torch.ones(sessions, dtype=torch.int32)},
+                   metadata={"sessions": ",".join(ids)})
+    xs = timed(lambda: _post(client, "/sessions/attend", body), iters)
+    for sid in ids:
+        client.delete(f"/sessions/{sid}")
+    return sessions, min(lengths), max(lengths), len(body), statistics.median(xs), pct(xs, 99), \
+        kernel_ms(lengths) if HAS_CUDA else float("nan")
+
+
+def kernel_ms(lengths: list[int], page: int = 64) -> float:
+    """The paged decode launch alone (append + attention) for these lengths, on this process's GPU."""
+    import kernels
+
+    dev = torch.device("cuda")
+    s = len(lengths)
+    pages_per = [(n + 1 + page - 1) // page for n in lengths]
+    table = torch.zeros(s, max(pages_per), dtype=torch.int32)
+    p = 0
+    for i, np_ in enumerate(pages_per):
+        table[i, :np_] = torch.arange(p, p + np_, dtype=torch.int32)
+        p += np_
+    kp = torch.randn(p, page, HKV, D, device=dev, dtype=DTYPE)
+    vp = torch.randn_like(kp)
+    table = table.to(dev)
+    before = torch.tensor(lengths, dtype=torch.int32, device=dev)
+    after = before + 1
+    cu = torch.arange(s + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(s, HQ, D, device=dev, dtype=DTYPE)
+    kn, vn = torch.randn(s, HKV, D, device=dev, dtype=DTYPE), torch.randn(s, HKV, D, device=dev, dtype=DTYPE)
+
+    def launch():
+        kernels.append_paged(kp, vp, table, before, kn, vn, cu)
+        kernels.attention_paged(q, kp, vp, table, after, cu)
+
+    launch()  # compiles; the launch reads its lengths on the host, so it is timed eagerly, host work included
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        launch()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def render(steps: list[tuple], packed: tuple | None, command: str) -> str:
+    dev = torch.cuda.get_device_name() if HAS_CUDA else "CPU"
+    out = [f"{time.strftime('%Y-%m-%d')}, {dev}, torch {torch.__version__}; `{command}`", "",
+           f"Decode step, Hq {HQ} / Hkv {HKV} / D {D}, {str(DTYPE).removeprefix('torch.')}, HTTP safetensors, ms:",
+           "", "| context | step bytes | step p50 | step p99 | stateless bytes | stateless p50 | stateless p99 "
+           "| stateless / step |", "|---|---|---|---|---|---|---|---|"]
+    for c, sb, s50, s99, ab, a50, a99, ratio in steps:
+        out.append(f"| {c} | {sb} | {s50:.3f} | {s99:.3f} | {ab} | {a50:.2f} | {a99:.2f} | {ratio:.1f}x |")
+    if packed:
+        s, lo, hi, nb, p50, p99, kms = packed
+        out += ["", f"Packed step: {s} sessions of {lo}..{hi} cached tokens, one token each:", "",
+                "| sessions | body bytes | p50 ms | p99 ms | kernel ms (append + attention) | p50 / kernel |",
+                "|---|---|---|---|---|---|", f"| {s} | {nb} | {p50:.3f} | {p99:.3f} | {kms:.3f} | {p50 / kms:.2f} |"]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running server (default: start one)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--contexts", default="1024,8192,32768" if HAS_CUDA else "256,1024")
+    ap.add_argument("--iters", type=int, default=200 if HAS_CUDA else 20)
+    ap.add_argument("--packed", type=int, default=64 if HAS_CUDA else 4, help="sessions in the packed row (0: none)")
+    args = ap.parse_args(argv)
+    command = "python -m bench.sessions " + " ".join(argv if argv is not None else sys.argv[1:])
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+
+    def go(url: str) -> str:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            steps = [step_row(client, c, args.iters) for c in contexts]
+            packed = packed_row(client, args.packed, max(contexts), max(5, args.iters // 4)) if args.packed else None
+        return render(steps, packed, command)
+
+    if args.url:
+        print(go(args.url))
+    else:
+        with local_server(args.device) as (url, _pid):
+            print(go(url))
+
+
+if __name__ == "__main__":
+    main()
