@@ -307,17 +307,23 @@ def test_paged_kernel_choice(monkeypatch):
 
 # ---- GPU ----
 
+# Every case in bfloat16; float16 and float32 (its own tiles) on cases covering decode (split),
+# chunked prefill, a lookup per key (page 16/17 < BLOCK_N 64), one a block (page 64) and D 256:
+# each distinct kernel config (PAGE, D, class, dtype) compiles once or twice.
+GPU_FP32 = ["d256", "decode_page16", "page64_chunk"]
+GPU_RUNS = ([(name, torch.bfloat16) for name in sorted(CASES) + sorted(GPU_ONLY)]
+            + [(name, torch.float16) for name in FP16] + [(name, torch.float32) for name in GPU_FP32])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(GPU_ONLY))
+@pytest.mark.parametrize(("name", "dtype"), GPU_RUNS)
 def test_paged_gpu(name, dtype, monkeypatch):
     nan_empty(monkeypatch)
     run_case({**CASES, **GPU_ONLY}[name], dtype, "flash")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 64, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("page", "dtype"), [(16, torch.bfloat16), (64, torch.bfloat16), (256, torch.float16)])
 def test_paged_gpu_256_sequences_batch_invariant(page, dtype, monkeypatch):
     """256 decodes and chunks of mixed lengths in one launch, poisoned outputs; each sequence
     bit-equal to itself alone; within the error budget of float64."""
@@ -338,6 +344,6 @@ def test_paged_gpu_256_sequences_batch_invariant(page, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [1, 16, 17, 64, 256])
+@pytest.mark.parametrize("page", [1, 17, 64, 256])  # per key (1, 17), one entry a block (64, 256)
 def test_append_gpu(page):
     test_append_then_attend("flash", page)
