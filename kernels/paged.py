@@ -8,7 +8,8 @@
 Pages are [P, page_tokens, Hkv, D]; key j of sequence s lives at page ``block_table[s, j //
 page_tokens]``, row ``j % page_tokens``. Decode, chunked prefill and a mix of both go through one
 call: ``kernels/ragged.py`` plans each sequence alone (batch invariance) and the kernels look the
-pages up key by key, so any page size works and slots past a sequence's length are never read.
+pages up once a key block where page_tokens is a multiple of the block (``ragged.page_block``), else
+key by key, so any page size works; slots past a sequence's length are never read.
 """
 
 from __future__ import annotations

@@ -179,6 +179,15 @@ def kernel_config(decode: bool, d: int, dtype: torch.dtype, interpret: bool) -> 
     return Config(128, 64, 8, 2)
 
 
+def page_block(block_n: int, page: int) -> bool:
+    """Whether a paged launch streaming ``block_n`` keys a block reads one block-table entry a block:
+    where page_tokens is a multiple of block_n, every key block lies in one page (block starts are
+    multiples of block_n, split starts multiples of ``SPLIT_KEY_QUANTUM``), so its rows sit at one
+    stride from one page's base, as contiguous keys do; else the kernel looks a page up per key.
+    BLOCK_N itself stays the class's (paged and contiguous keys give the same bits)."""
+    return page % block_n == 0
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -329,14 +338,14 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
         args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, *q.stride(), *kst, *vst,
                 *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E)
         consts = dict(D=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACK=decode, PAGED=paged,
-                      PAGE=page, IS_CAUSAL=bool(causal), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                      PAGE=page, PAGE_BLOCK=paged and page_block(cfg.block_n, page), IS_CAUSAL=bool(causal),
+                      DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
         launch(jit.ragged_fwd, (work.shape[0], hkv if decode else hq, 1), args, consts,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.merge.shape[0]:
-        bh = min(1 << (hq - 1).bit_length(), max(1, 4096 // bd))
         args = (o_part, lse_part, o, lse, plan.merge, *o.stride(), *lse.stride(), hq)
-        launch(jit.ragged_merge, (plan.merge.shape[0], -(-hq // bh), 1), args,
-               dict(D=d, BLOCK_D=bd, BLOCK_H=bh), num_warps=4)
+        launch(jit.ragged_merge, (plan.merge.shape[0], hq, 1), args,
+               dict(D=d, BLOCK_D=bd, BLOCK_S=MAX_SPLITS), num_warps=4 if bd <= 128 else 8)
     return o, lse
 
 

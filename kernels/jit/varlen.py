@@ -5,7 +5,8 @@ Only ``@triton.jit`` code lives here; ``kernels/ragged.py`` plans, allocates and
 ``ragged_fwd``: each program runs one work item, a (sequence, row tile, key split) triple built on
 the host from the sequences' lengths, for one head (or, packed, one kv head and its GQA group of
 query heads). Keys come either from one [Tk, Hkv, D] tensor (varlen) or from pages
-[P, page_tokens, Hkv, D] looked up key by key in the sequence's block-table row (paged). The
+[P, page_tokens, Hkv, D] through the sequence's block-table row (paged): one entry per key block when
+page_tokens is a multiple of BLOCK_N (the block is rows of one page), else one entry per key. The
 online softmax is ``_flash_fwd_kernels.py``'s (base 2, scale·log2(e) folded into S; full key
 blocks unmasked, the diagonal and the ragged end masked; rows that see no key give o = 0 and
 lse = -inf). An unsplit item writes o in q's dtype and lse; a split writes its own normalised o
@@ -36,6 +37,7 @@ def _attend(
     qk_scale,                    # scale · log2(e)
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr,   # paged addressing and its page_tokens
+    PAGE_BLOCK: tl.constexpr,    # PAGED with PAGE % BLOCK_N == 0: one table entry a key block
     MASKED: tl.constexpr,        # False: every key of every block in [start, end) is visible
     IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -43,7 +45,12 @@ def _attend(
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if PAGED:  # key j: page BT_ROW[j // PAGE], row j % PAGE
+        if PAGE_BLOCK:  # PAGE % BLOCK_N == 0 and start_n % BLOCK_N == 0: the block is rows of one page
+            page = tl.load(BT_ROW + (start_n // PAGE) * stride_btc).to(tl.int64)  # start_n < n_k: a used entry
+            slot = (start_n % PAGE + offs_n).to(tl.int64)
+            k_rows = page * stride_kp + slot * stride_kt
+            v_rows = page * stride_vp + slot * stride_vt
+        elif PAGED:  # key j: page BT_ROW[j // PAGE], row j % PAGE
             if MASKED:
                 page = tl.load(BT_ROW + (cols // PAGE) * stride_btc, mask=cols < n_k, other=0)
             else:
@@ -118,6 +125,8 @@ def ragged_fwd(
                                  # queries (decode: K/V read once per kv head); grid axis 1 is Hkv
     PAGED: tl.constexpr,         # keys from pages through the block table
     PAGE: tl.constexpr,          # page_tokens (1 when not PAGED)
+    PAGE_BLOCK: tl.constexpr,    # PAGED and PAGE % BLOCK_N == 0: a key block lies in one page (one
+                                 # table entry a block, rows at one stride); else a lookup per key
     IS_CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,      # "ieee" for float32 inputs, "tf32" (ignored) for 16-bit
 ):
@@ -174,12 +183,12 @@ def ragged_fwd(
         acc, l_i, m_i, q, k_head, v_head, bt_row, stride_btc, k_tok0,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
         k0, tl.minimum(k1, full_end), n_k, i_rows, causal_off, qk_scale,
-        D, BLOCK_N, BLOCK_D, PAGED, PAGE, False, IS_CAUSAL, DOT_PREC)
+        D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, False, IS_CAUSAL, DOT_PREC)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, k_head, v_head, bt_row, stride_btc, k_tok0,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
         tl.maximum(k0, full_end), tl.minimum(k1, hi), n_k, i_rows, causal_off, qk_scale,
-        D, BLOCK_N, BLOCK_D, PAGED, PAGE, True, IS_CAUSAL, DOT_PREC)
+        D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, True, IS_CAUSAL, DOT_PREC)
 
     # epilogue: O = O / l, lse = (m + log2 l)·ln2; rows with no key -> 0, -inf
     seen = l_i > 0.0
@@ -209,39 +218,35 @@ def ragged_merge(
     stride_lh, stride_lt,
     H_Q,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,       # heads per program
+    BLOCK_S: tl.constexpr,       # splits loaded at once: always MAX_SPLITS (a launch's other sequences never
+                                 # change the reduction's shape, so a token's bits are its own)
 ):
-    """lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s, the splits summed one by one in
-    order, so a token's answer depends only on its own sequence's splits."""
+    """lse = log Σ_s e^{lse_s}; o = Σ_s e^{lse_s - lse} o_s for one (token, head): every split's
+    lse and o are loaded in one go (one memory latency, not one per split), then reduced over a
+    fixed BLOCK_S-wide axis, so a token's answer depends only on its own sequence's splits."""
     r = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < H_Q
+    h = tl.program_id(1).to(tl.int64)
     t = tl.load(MERGE + r * 4 + 0).to(tl.int64)
     base = tl.load(MERGE + r * 4 + 1)
     n_q = tl.load(MERGE + r * 4 + 2)
     n_splits = tl.load(MERGE + r * 4 + 3)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    heads64 = heads.to(tl.int64)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for j in range(0, n_splits):
-        prow = (base + j * n_q).to(tl.int64) * H_Q + heads64
-        m = tl.maximum(m, tl.load(LSE_PART + prow, mask=h_ok, other=float("-inf")))
+    s_ok = offs_s < n_splits
+    d_ok = offs_d < D
+    prow = (base + offs_s * n_q).to(tl.int64) * H_Q + h      # (partial row of split j, head h)
+    lse_s = tl.load(LSE_PART + prow, mask=s_ok, other=float("-inf"))
+    o_s = tl.load(O_PART + prow[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.max(lse_s, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, n_splits):
-        prow = (base + j * n_q).to(tl.int64) * H_Q + heads64
-        wj = tl.exp(tl.load(LSE_PART + prow, mask=h_ok, other=float("-inf")) - m_use)
-        oj = tl.load(O_PART + prow[:, None] * D + offs_d[None, :],
-                     mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        acc += wj[:, None] * oj
-        w_sum += wj
+    w = tl.exp(lse_s - m_use)                                # 0 for padding splits and splits that saw no key
+    acc = tl.sum(w[:, None] * o_s, 0)
+    w_sum = tl.sum(w, 0)
     seen = w_sum > 0.0
     w_safe = tl.where(seen, w_sum, 1.0)
-    tl.store(O + t * stride_ot + heads64[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             (acc / w_safe[:, None]).to(O.dtype.element_ty), mask=h_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(LSE + heads64 * stride_lh + t * stride_lt,
-             tl.where(seen, m_use + tl.log(w_safe), float("-inf")), mask=h_ok)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d * stride_od, (acc / w_safe).to(O.dtype.element_ty),
+             mask=d_ok)
+    tl.store(LSE + h * stride_lh + t * stride_lt, tl.where(seen, m_use + tl.log(w_safe), float("-inf")))
 
 
 __all__ = ["LOG2E", "MERGE_FIELDS", "SEQ_FIELDS", "WORK_FIELDS", "ragged_fwd", "ragged_merge"]

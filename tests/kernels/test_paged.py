@@ -108,6 +108,60 @@ def test_paged_batch_invariance(kernel):
         at += n
 
 
+@pytest.fixture
+def block_n16(monkeypatch):
+    """The interpreter's tiles with 16-key blocks (its default streams 32), so that pages of 16
+    take the one-entry-a-block path too; the plan cache is cleared around the change."""
+    from kernels import ragged
+
+    real = ragged.kernel_config
+
+    def config(decode, d, dtype, interpret):
+        cfg = real(decode, d, dtype, interpret)
+        return ragged.Config(cfg.block_m, 16, cfg.num_warps, cfg.num_stages)
+
+    ragged.cached_plan.cache_clear()
+    monkeypatch.setattr(ragged, "kernel_config", config)
+    yield
+    ragged.cached_plan.cache_clear()
+
+
+def page_block_case(page):
+    """A split decode (600 keys), a causal chunk of 33 rows whose first 64 keys are sequence 0's
+    (shared pages), and one exactly full 64-key page; every page shuffled, free slots NaN."""
+    return ([1, 33, 1], [600, 200, 64], page, 4, 2, 64, True, 64 // page)
+
+
+def check_page_block(pages, block_n):
+    from kernels import ragged
+
+    outs = []
+    for page in pages:
+        assert ragged.page_block(block_n, page) == (page % block_n == 0)
+        case = page_block_case(page)
+        q, kp, vp, table, cl, cu_q, k_seqs, v_seqs = make_cache(case, torch.float32)
+        o, lse = attention_paged(q, kp, vp, table, cl, cu_q, return_lse=True, kernel="flash")
+        check_sequences(o, lse, q, k_seqs, v_seqs, case[0], causal=True, scale=64 ** -0.5)
+        outs.append((o, lse))
+    o2, lse2 = attention_varlen(q, torch.cat(k_seqs), torch.cat(v_seqs), cu_q, cu_of(case[1]), causal=True,
+                                return_lse=True, kernel="flash")
+    for page, (o, lse) in zip(pages, outs, strict=True):  # one table entry a block or per key: the same bits
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), f"page {page}"
+
+
+def test_paged_page_block(monkeypatch):
+    """Pages of 64 (a multiple of the interpreter's 32-key blocks: one table entry a block) equal
+    pages of 1 and 16 (a lookup per key) and contiguous keys bit for bit."""
+    nan_empty(monkeypatch)
+    check_page_block([64, 1, 16], 32)
+
+
+def test_paged_page_block_16(block_n16, monkeypatch):
+    """With 16-key blocks, pages of 16 and 64 read one entry a block; pages of 1 per key."""
+    nan_empty(monkeypatch)
+    check_page_block([16, 64, 1], 16)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """NaN-proof bitwise view (poisoned slots are NaN, and NaN != NaN)."""
     return t.contiguous().view(torch.uint8)
@@ -253,17 +307,23 @@ def test_paged_kernel_choice(monkeypatch):
 
 # ---- GPU ----
 
+# Every case in bfloat16; float16 and float32 (its own tiles) on cases covering decode (split),
+# chunked prefill, a lookup per key (page 16/17 < BLOCK_N 64), one a block (page 64) and D 256:
+# each distinct kernel config (PAGE, D, class, dtype) compiles once or twice.
+GPU_FP32 = ["d256", "decode_page16", "page64_chunk"]
+GPU_RUNS = ([(name, torch.bfloat16) for name in sorted(CASES) + sorted(GPU_ONLY)]
+            + [(name, torch.float16) for name in FP16] + [(name, torch.float32) for name in GPU_FP32])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(GPU_ONLY))
+@pytest.mark.parametrize(("name", "dtype"), GPU_RUNS)
 def test_paged_gpu(name, dtype, monkeypatch):
     nan_empty(monkeypatch)
     run_case({**CASES, **GPU_ONLY}[name], dtype, "flash")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 64, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("page", "dtype"), [(16, torch.bfloat16), (64, torch.bfloat16), (256, torch.float16)])
 def test_paged_gpu_256_sequences_batch_invariant(page, dtype, monkeypatch):
     """256 decodes and chunks of mixed lengths in one launch, poisoned outputs; each sequence
     bit-equal to itself alone; within the error budget of float64."""
@@ -284,6 +344,6 @@ def test_paged_gpu_256_sequences_batch_invariant(page, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [1, 16, 17, 64, 256])
+@pytest.mark.parametrize("page", [1, 17, 64, 256])  # per key (1, 17), one entry a block (64, 256)
 def test_append_gpu(page):
     test_append_then_attend("flash", page)

@@ -155,9 +155,16 @@ def test_varlen_kernel_choice(monkeypatch):
 
 # ---- GPU ----
 
+# Every case in bfloat16 (the serving dtype, checked against kernels.attention too); float16 and
+# float32 (float32 has its own tiles) on cases that cover the decode and prefill classes and D 256:
+# each distinct kernel config compiles once or twice, not once per case and dtype.
+GPU_FP32 = ["chunk_vs_long_cache", "d256", "mqa_decode_split"]
+GPU_RUNS = ([(name, torch.bfloat16) for name in sorted(CASES) + sorted(GPU_ONLY)]
+            + [(name, torch.float16) for name in FP16] + [(name, torch.float32) for name in GPU_FP32])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", sorted(CASES) + sorted(GPU_ONLY))
+@pytest.mark.parametrize(("name", "dtype"), GPU_RUNS)
 def test_varlen_gpu(name, dtype, monkeypatch):
     nan_empty(monkeypatch)
     case = {**CASES, **GPU_ONLY}[name]
@@ -165,14 +172,15 @@ def test_varlen_gpu(name, dtype, monkeypatch):
     q, k, v, cu_q, cu_k = packed(q_lens, k_lens, hq, hkv, d, dtype)
     o, lse = attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, kernel="flash")
     check_sequences(o, lse, q, split_rows(k, k_lens), split_rows(v, k_lens), q_lens, causal=causal,
-                    scale=d ** -0.5)
+                    scale=d ** -0.5, against_attention=dtype == torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_varlen_gpu_many_sequences_batch_invariant(dtype):
     """256 sequences of mixed lengths in one launch; each bit-equal to itself alone, and the whole
-    batch equal to kernels.attention per sequence within the error budget."""
+    batch within the error budget of float64 (not kernels.attention per sequence: 256 shapes to
+    compile and tune; test_varlen_gpu compares with it)."""
     g = torch.Generator().manual_seed(1)
     q_lens = torch.randint(0, 80, (256,), generator=g).tolist()
     k_lens = [n + int(x) for n, x in zip(q_lens, torch.randint(0, 3000, (256,), generator=g), strict=True)]
@@ -187,4 +195,4 @@ def test_varlen_gpu_many_sequences_batch_invariant(dtype):
                                   return_lse=True)
         start = sum(q_lens[:s])
         assert torch.equal(o[start:start + n], o1) and torch.equal(lse[:, start:start + n], l1), f"sequence {s}"
-    check_sequences(o, lse, q, ks, vs, q_lens, causal=True, scale=d ** -0.5)
+    check_sequences(o, lse, q, ks, vs, q_lens, causal=True, scale=d ** -0.5, against_attention=False)
