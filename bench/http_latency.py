@@ -5,6 +5,7 @@ with the JSON encodings beside safetensors.
     python -m bench.http_latency --url http://HOST:8000 # against a running server (same machine for "added")
     python -m bench.http_latency --iters 500 --large-iters 10 --write docs/benchmarks/service.md
     python -m bench.service http ...                    # the same, as a section of the service benchmarks
+    bash bench/gpu.sh service                           # with the engine and gRPC benchmarks, into reports/service/
 
 Rows:
   kernel                 kernels.attention on --device in this process, inputs already there: the floor.
@@ -98,8 +99,8 @@ def http_times(
     ``phases``, each call's Server-Timing durations (ms) are appended there by phase name.
 
     The standard library's client, so that the client's own cost stays out of the server's
-    number: httpx took 3.3-4.1 s for a 256 MiB call that http.client made in 0.4 s, and 0.4-1 ms
-    more on a small one (loopback, 2-core box, 2026-11-30)."""
+    number: httpx takes several times as long as http.client on a large call, and adds a fraction
+    of a millisecond to a small one (docs/benchmarks/service.md)."""
     headers = {"Content-Type": ctype}
 
     timing = ""
@@ -131,8 +132,8 @@ def http_times(
 def raw_times(host: str, port: int, body: bytes, ctype: str, iters: int, phases: dict,
               warmup: int = 3) -> tuple[list[float], int]:
     """Seconds per POST /attention from a bare socket (the request written once, the answer read
-    into a buffer made once): the server's share without a client library's. On the CPU box
-    http.client cost ~0.12 ms more per small call (2026-11-30). Returns the times and the answer's
+    into a buffer made once): the server's share without a client library's (http.client's own
+    time is about a tenth of a millisecond per small call). Returns the times and the answer's
     size."""
     head = (f"POST /attention HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
