@@ -38,16 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `locust -f lo
 from loadtest import payloads  # noqa: E402
 from loadtest.payloads import WrongAnswer  # noqa: E402
 
-# gRPC users call in native threads (gevent's thread pool), not through grpc's gevent mode: with
-# 16 users per process sending 96 MiB messages, building, sending and parsing held the process's
-# gevent loop for seconds, its heartbeats stopped, and the master dropped every worker (CPU box:
-# "failed to send heartbeat ... The last worker went missing, stopping test"; the H200 host's gRPC
-# prefill cells at 256 users lost all their users, 2026-11-30). In threads the loop keeps running:
-# grpc releases the GIL while it waits, and a big copy holds it for tens of milliseconds at most.
+# gRPC users call in native threads (gevent's thread pool), not through grpc's gevent mode: there,
+# with many users per process sending ~100 MiB messages, building, sending and parsing hold the
+# process's gevent loop for seconds, its heartbeats stop, and the master drops every worker
+# ("failed to send heartbeat ... The last worker went missing, stopping test"; docs/loadtest.md).
+# In threads the loop keeps running: grpc releases the GIL while it waits, and a big copy holds it
+# for tens of milliseconds at most.
 GRPC_THREADS = 1024  # at most this many calls at once per Locust process (one per gRPC user)
-# A worker busy with big requests may still miss Locust's 3 s of heartbeats on a loaded host (the
-# CPU box lost both workers that way with the calls in threads, while the suite ran beside it):
-# the master waits 30 s before it drops a silent worker and stops the run.
+# A worker busy with big requests may still miss Locust's 3 s of heartbeats on a loaded host: the
+# master waits 30 s before it drops a silent worker and stops the run.
 locust.runners.HEARTBEAT_LIVENESS = 30
 
 GRPC_MAX_MESSAGE = 1 << 30  # API.md §3: at least 1 GiB each way
