@@ -240,29 +240,13 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
             xs, _ = http_times(
                 http, body, "application/json", max(10, iters // (1 if enc == "base64" else 5))
             )
-            rows.append(
-                row(
-                    f"small JSON {enc}",
-                    SMALL,
-                    "fp16" if enc == "base64" else "fp32",
-                    xs,
-                    k_small,
-                    note=f"{len(body) / 1024:.0f} KiB in",
-                )
-            )
+            rows.append(row(f"small JSON {enc}", SMALL, "fp16" if enc == "base64" else "fp32", xs, k_small,
+                            note=f"{len(body) / 1024:.0f} KiB in"))  # fmt: skip
         large = tensors(LARGE, torch.bfloat16)
         k_large = kernel_times(LARGE, torch.bfloat16, device, large_iters)
         in_bytes = sum(t.numel() * 2 for t in large.values())
-        rows.append(
-            row(
-                "large kernel",
-                LARGE,
-                "bf16",
-                k_large,
-                nbytes=in_bytes + in_bytes // 3,
-                note="GB/s here: the same bytes over the kernel's own time",
-            )
-        )
+        rows.append(row("large kernel", LARGE, "bf16", k_large, nbytes=in_bytes + in_bytes // 3,
+                        note="GB/s here: the same bytes over the kernel's own time"))  # fmt: skip
         for name, body, ctype in (
             ("large safetensors", st.save(large), "application/x-safetensors"),
             ("large JSON base64", _json_body(large, "base64"), "application/json"),
@@ -337,31 +321,15 @@ def local_server(device: str):
     """A server on ``device`` (one process) for the bench: yields (url, pid)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "service",
-        "--host",
-        "127.0.0.1",
-        "--http-port",
-        str(port),
-        "--grpc-port",
-        "0",
-        "--device",
-        device,
-        "--processes",  # one server process, whose page faults the large rows count
-        "1",
-        "--request-timeout-ms",
-        "600000",
-        # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
-        "--max-json-mb",
-        "1024",
-        # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
-        "--warmup-shapes",
-        "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),
-        "--warmup-dtypes",
-        "float16,bfloat16",
-    ]
+    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
+           "--device", device,
+           "--processes", "1",  # one server process, whose page faults the large rows count
+           "--request-timeout-ms", "600000",
+           # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
+           "--max-json-mb", "1024",
+           # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
+           "--warmup-shapes", "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),
+           "--warmup-dtypes", "float16,bfloat16"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -324,6 +324,7 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
     """bench/gpu.sh all, with an interpreter that only records its calls: every part's tests and
     benchmarks run, into OUTDIR, each load-test run with arguments loadtest.run accepts, and the
     server is stopped at the end. An unknown part is a usage error."""
+    import argparse
     import os
     import re
     import shutil
@@ -350,6 +351,11 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
     assert len(runs) == 2 * 2 * 2 + 1 + 2 * 2, runs
     for args in runs:
         run.build_parser().parse_args(args)
+    from bench import http_latency
+
+    http_args = argparse.ArgumentParser()
+    http_latency.add_arguments(http_args)
+    http_args.parse_args(next(line for line in lines if line.startswith("-m bench.http_latency ")).split()[2:])
     assert sum("--sample-memory" in a for a in runs) == 1
     assert (out / "env.txt").exists() and (out / "loadtest" / "bench.log").exists()
     assert (out / "soak" / "server_batching_on.log").exists()
