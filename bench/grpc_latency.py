@@ -3,6 +3,7 @@
     python -m bench.grpc_latency                          # starts `python -m service` itself (--device auto)
     python -m bench.grpc_latency --target HOST:8001       # against a running server (same machine for (1))
     python -m bench.grpc_latency --iters 2000 --concurrency 16 --stream-calls 20000
+    bash bench/gpu.sh service                             # with the engine and HTTP benchmarks, into reports/service/
 
 Rows (1x8x128x64 fp16 q/k/v by default, 384 KiB per request):
   kernel          kernels.attention on --device in this process, inputs already there (CUDA events

@@ -5,6 +5,7 @@ with the JSON encodings beside safetensors.
     python -m bench.http_latency --url http://HOST:8000 # against a running server (same machine for "added")
     python -m bench.http_latency --iters 500 --large-iters 10 --write docs/benchmarks/service.md
     python -m bench.service http ...                    # the same, as a section of the service benchmarks
+    bash bench/gpu.sh service                           # with the engine and gRPC benchmarks, into reports/service/
 
 Rows:
   kernel                 kernels.attention on --device in this process, inputs already there: the floor.
@@ -98,8 +99,8 @@ def http_times(
     ``phases``, each call's Server-Timing durations (ms) are appended there by phase name.
 
     The standard library's client, so that the client's own cost stays out of the server's
-    number: httpx took 3.3-4.1 s for a 256 MiB call that http.client made in 0.4 s, and 0.4-1 ms
-    more on a small one (loopback, 2-core box, 2026-11-30)."""
+    number: httpx takes several times as long as http.client on a large call, and adds a fraction
+    of a millisecond to a small one (docs/benchmarks/service.md)."""
     headers = {"Content-Type": ctype}
 
     timing = ""
@@ -131,8 +132,8 @@ def http_times(
 def raw_times(host: str, port: int, body: bytes, ctype: str, iters: int, phases: dict,
               warmup: int = 3) -> tuple[list[float], int]:
     """Seconds per POST /attention from a bare socket (the request written once, the answer read
-    into a buffer made once): the server's share without a client library's. On the CPU box
-    http.client cost ~0.12 ms more per small call (2026-11-30). Returns the times and the answer's
+    into a buffer made once): the server's share without a client library's (http.client's own
+    time is about a tenth of a millisecond per small call). Returns the times and the answer's
     size."""
     head = (f"POST /attention HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -239,29 +240,13 @@ def measure(url: str, device: str, iters: int, large_iters: int, small_only: boo
             xs, _ = http_times(
                 http, body, "application/json", max(10, iters // (1 if enc == "base64" else 5))
             )
-            rows.append(
-                row(
-                    f"small JSON {enc}",
-                    SMALL,
-                    "fp16" if enc == "base64" else "fp32",
-                    xs,
-                    k_small,
-                    note=f"{len(body) / 1024:.0f} KiB in",
-                )
-            )
+            rows.append(row(f"small JSON {enc}", SMALL, "fp16" if enc == "base64" else "fp32", xs, k_small,
+                            note=f"{len(body) / 1024:.0f} KiB in"))  # fmt: skip
         large = tensors(LARGE, torch.bfloat16)
         k_large = kernel_times(LARGE, torch.bfloat16, device, large_iters)
         in_bytes = sum(t.numel() * 2 for t in large.values())
-        rows.append(
-            row(
-                "large kernel",
-                LARGE,
-                "bf16",
-                k_large,
-                nbytes=in_bytes + in_bytes // 3,
-                note="GB/s here: the same bytes over the kernel's own time",
-            )
-        )
+        rows.append(row("large kernel", LARGE, "bf16", k_large, nbytes=in_bytes + in_bytes // 3,
+                        note="GB/s here: the same bytes over the kernel's own time"))  # fmt: skip
         for name, body, ctype in (
             ("large safetensors", st.save(large), "application/x-safetensors"),
             ("large JSON base64", _json_body(large, "base64"), "application/json"),
@@ -336,31 +321,15 @@ def local_server(device: str):
     """A server on ``device`` (one process) for the bench: yields (url, pid)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "service",
-        "--host",
-        "127.0.0.1",
-        "--http-port",
-        str(port),
-        "--grpc-port",
-        "0",
-        "--device",
-        device,
-        "--processes",  # one server process, whose page faults the large rows count
-        "1",
-        "--request-timeout-ms",
-        "600000",
-        # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
-        "--max-json-mb",
-        "1024",
-        # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
-        "--warmup-shapes",
-        "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),
-        "--warmup-dtypes",
-        "float16,bfloat16",
-    ]
+    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
+           "--device", device,
+           "--processes", "1",  # one server process, whose page faults the large rows count
+           "--request-timeout-ms", "600000",
+           # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
+           "--max-json-mb", "1024",
+           # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
+           "--warmup-shapes", "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),
+           "--warmup-dtypes", "float16,bfloat16"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

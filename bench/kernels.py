@@ -1,7 +1,9 @@
 """Benchmark of the attention kernels on one GPU, every provider side by side in one run.
 
-    PYTHONPATH=$PWD python3 bench/kernels.py --out-dir docs/benchmarks [--budget-s 400] [--section paged]
+    python -m bench.kernels --out-dir reports/kernels [--budget-s 480] [--sections forward,decode] [--section paged]
+    bash bench/gpu.sh kernels                # the kernels' GPU tests, then this, into reports/kernels/
 
+Measures forward TFLOP/s on the anchor shapes and at long N, decode GB/s, and backward TFLOP/s.
 Providers: flash, flash_v1 (ours, Triton) and torch SDPA forced to each backend (flash, cuDNN,
 efficient, math). TFLOP/s counts 4·B·Hq·Nq·Nk·D (half when causal; backward 2.5x the forward,
 forward+backward 3.5x); decode reports GB/s of K and V read once. Times are
@@ -43,7 +45,7 @@ SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN
         "sdpa_effic": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
 FWD_PROVIDERS = ["flash", "flash_v1", "sdpa_flash", "sdpa_cudnn", "sdpa_effic", "sdpa_math"]
 
-# (dtype, B, H, N, D, causal): /work/shared/ANCHORS.md
+# (dtype, B, H, N, D, causal): the anchor shapes, the rows of the forward table
 ANCHORS = [
     ("float16", 1, 32, 1024, 128, False), ("float16", 1, 32, 1024, 128, True),
     ("float16", 1, 32, 4096, 128, False), ("float16", 1, 32, 4096, 128, True),
@@ -202,7 +204,7 @@ def bench_decode(log):
             continue
         kv_bytes = 2 * b * hkv * nk * d * dtype.itemsize
         sets = inputs(b, hq, hkv, 1, nk, d, dtype, sets=n_sets(kv_bytes))
-        # rotated_ms: distinct inputs, together at least 5 L2s (the H200's: 60 MB)
+        # rotated_ms: distinct inputs, together at least five 60 MB L2s (300 MB)
         rot_sets = sets + inputs(b, hq, hkv, 1, nk, d, dtype, sets=max(0, math.ceil(300e6 / kv_bytes) + 1 - len(sets)))
         ref = None
         for p in ["flash", "sdpa_flash", "sdpa_cudnn", "sdpa_math"]:
@@ -295,9 +297,9 @@ def md_table(headers, rows):
 def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
     parts = [f"# Kernel benchmark — {meta['date']}", "",
              f"Card: {meta['card']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}.",
-             f"Command: `{meta['command']}` (bench/gpu_check.sh on the device machine).", "",
+             f"Command: `{meta['command']}`.", "",
              "Forward TFLOP/s (4·B·H·N²·D, half when causal), do_bench median; `-`: not run for that shape "
-             "(flash_v1 is non-causal only here, as the seed's kernel; effic/math skipped at N > 16k); "
+             "(flash_v1 runs non-causal only; effic/math skipped at N > 16k); "
              "`OOM-risk`: the N×N matrices would not fit. err = max |flash − sdpa_flash|.", ""]
     hdr = ["dtype", "B", "H", "N", "D", "causal", *FWD_PROVIDERS, "flash/sdpa_flash", "flash err",
            "flash extra MB", "output MB", "flash kernel (config)"]

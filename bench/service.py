@@ -1,7 +1,10 @@
-"""Service benchmarks. Sections are functions; each returns rows for one markdown table.
+"""Service benchmarks: the engine in process (this module) and the HTTP transport (bench/http_latency.py).
+Each section returns rows for one markdown table.
 
-    python -m bench.service engine [--write docs/benchmarks/service.md]   # in-process engine
+    python -m bench.service engine [--write reports/service/service.md]   # in-process engine
     python -m bench.service engine --only small,large,multi --seconds 3
+    python -m bench.service http ...            # = python -m bench.http_latency ...
+    bash bench/gpu.sh service                   # the service's GPU tests, then engine, HTTP and gRPC
 
 Engine (in-process), no transport in the way:
   (a) small: 64 concurrent submitters of 1x8x128x64 fp16 requests, batching on vs off:
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     eng.add_argument("--null-kernel", action="store_true",
                      help="a kernel that only allocates its outputs: the engine's host ceiling (validation, "
                           "batching, staging and copies, futures) with the compute taken away")
-    from bench import http_latency  # the HTTP section lives in its own module (issue #10)
+    from bench import http_latency  # the HTTP section lives in its own module
 
     http_latency.add_arguments(sub.add_parser("http", help="the HTTP transport: added latency, GB/s, JSON"))
     args = parser.parse_args(argv)

@@ -28,8 +28,8 @@ def rotated_ms(fns, reps: int = 30) -> float:
     out of L2, as after a flush, but no other kernel's dirty lines to write back first.
 
     ``do_bench`` flushes by writing zeros over 256 MB, so the timed call starts with an L2 full of
-    dirty lines: on the H200 that charged a 34 MB read ~6 us of write-back (a plain streaming read
-    of 34 MB: 2,085 GB/s after the flush, 3,364 rotated; docs/benchmarks/kernels.md)."""
+    dirty lines and pays for their write-back: microseconds, a large share of a decode call
+    (docs/benchmarks/kernels.md has the three timings side by side)."""
     import statistics
 
     s = torch.cuda.Stream()

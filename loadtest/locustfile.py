@@ -35,19 +35,18 @@ from locust.runners import MasterRunner, WorkerRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `locust -f loadtest/locustfile.py`
 
-from loadtest import payloads  # noqa: E402
+from loadtest import encodings, payloads  # noqa: E402
 from loadtest.payloads import WrongAnswer  # noqa: E402
 
-# gRPC users call in native threads (gevent's thread pool), not through grpc's gevent mode: with
-# 16 users per process sending 96 MiB messages, building, sending and parsing held the process's
-# gevent loop for seconds, its heartbeats stopped, and the master dropped every worker (CPU box:
-# "failed to send heartbeat ... The last worker went missing, stopping test"; the H200 host's gRPC
-# prefill cells at 256 users lost all their users, 2026-11-30). In threads the loop keeps running:
-# grpc releases the GIL while it waits, and a big copy holds it for tens of milliseconds at most.
+# gRPC users call in native threads (gevent's thread pool), not through grpc's gevent mode: there,
+# with many users per process sending ~100 MiB messages, building, sending and parsing hold the
+# process's gevent loop for seconds, its heartbeats stop, and the master drops every worker
+# ("failed to send heartbeat ... The last worker went missing, stopping test"; docs/loadtest.md).
+# In threads the loop keeps running: grpc releases the GIL while it waits, and a big copy holds it
+# for tens of milliseconds at most.
 GRPC_THREADS = 1024  # at most this many calls at once per Locust process (one per gRPC user)
-# A worker busy with big requests may still miss Locust's 3 s of heartbeats on a loaded host (the
-# CPU box lost both workers that way with the calls in threads, while the suite ran beside it):
-# the master waits 30 s before it drops a silent worker and stops the run.
+# A worker busy with big requests may still miss Locust's 3 s of heartbeats on a loaded host: the
+# master waits 30 s before it drops a silent worker and stops the run.
 locust.runners.HEARTBEAT_LIVENESS = 30
 
 GRPC_MAX_MESSAGE = 1 << 30  # API.md §3: at least 1 GiB each way
@@ -163,10 +162,10 @@ class SafetensorsUser(_HttpBase):
     @task
     def attend(self) -> None:
         p = _State.pool(_State.mix).draw(self.rng)
-        body, exp = payloads.safetensors_body(p, self.rng)
+        body, exp = encodings.safetensors_body(p, self.rng)
         path = "/attention?causal=true" if p.shape.causal else "/attention"
         self._post(f"st {p.shape.label}", path, body, {"Content-Type": "application/x-safetensors"},
-                   lambda r: payloads.check_safetensors(r.content, exp))
+                   lambda r: encodings.check_safetensors(r.content, exp))
 
 
 class JsonUser(_HttpBase):
@@ -176,11 +175,11 @@ class JsonUser(_HttpBase):
     def attend(self) -> None:
         p = _State.pool("json").draw(self.rng)
         if p.shape.dtype == "float32":
-            name, (body, exp) = f"json-list {p.shape.label}", payloads.json_list_body(p, self.rng)
+            name, (body, exp) = f"json-list {p.shape.label}", encodings.json_list_body(p, self.rng)
         else:
-            name, (body, exp) = f"json-b64 {p.shape.label}", payloads.json_b64_body(p, self.rng)
+            name, (body, exp) = f"json-b64 {p.shape.label}", encodings.json_b64_body(p, self.rng)
         self._post(name, "/attention", body, {"Content-Type": "application/json"},
-                   lambda r: payloads.check_json(r.content, exp))
+                   lambda r: encodings.check_json(r.content, exp))
 
 
 class OipUser(_HttpBase):
@@ -189,9 +188,9 @@ class OipUser(_HttpBase):
     @task
     def infer(self) -> None:
         p = _State.pool(_State.mix).draw(self.rng)
-        body, headers, exp = payloads.oip_body(p, self.rng)
+        body, headers, exp = encodings.oip_body(p, self.rng)
         def check(r):
-            payloads.check_oip(r.content, r.headers.get("Inference-Header-Content-Length"), exp)
+            encodings.check_oip(r.content, r.headers.get("Inference-Header-Content-Length"), exp)
         self._post(f"oip {p.shape.label}", "/v2/models/attention/infer", body, headers, check)
 
 
@@ -211,7 +210,7 @@ class GrpcUser(User):
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
             ("grpc.use_local_subchannel_pool", 1),  # one connection per user, like the HTTP users
         ])
-        # requests go as bytes serialized here (payloads.grpc_attend_body), answers parse as usual
+        # requests go as bytes serialized here (encodings.grpc_attend_body), answers parse as usual
         self.attend_rpc = self.channel.unary_unary(
             "/attention.v1.AttentionService/Attend", request_serializer=None,
             response_deserializer=self.pb.AttendResponse.FromString)
@@ -231,7 +230,7 @@ class GrpcUser(User):
 
     def _call(self, p) -> tuple[float, int, Exception | None]:
         """In a native thread: one Attend, its answer checked -> (seconds, answer bytes, failure)."""
-        req, exp = payloads.grpc_attend_body(p, self.rng, self.pb)
+        req, exp = encodings.grpc_attend_body(p, self.rng, self.pb)
         start, length, exc = time.perf_counter(), 0, None
         try:
             resp = self.attend_rpc(req, timeout=_State.timeout, metadata=tuple(_State.auth.items()))

@@ -4,13 +4,13 @@
     python -m loadtest.report --from-csv results.csv --out OUTDIR   # re-plot a table
     python -m loadtest.report --memory soak_memory.csv --out OUTDIR # plot a soak's memory series
 
-Reads DIR/**/*_summary.json (or, with --from-csv, a results.csv this module wrote: e.g. when only
-the table came back from a GPU host); writes OUTDIR/results.md (markdown table), OUTDIR/results.csv
-and, when matplotlib is importable (``make install`` brings it; the GPU image lacks it),
+Reads DIR/**/*_summary.json (or, with --from-csv, a results.csv this module wrote, e.g. one copied
+from a GPU host without its cells); writes OUTDIR/results.md (markdown table), OUTDIR/results.csv
+and, when matplotlib is importable (the dev extra brings it; the service's image lacks it),
 OUTDIR/<mix>_throughput.png and <mix>_p99.png (one line per transport and batching setting,
-against users), and <tag>_memory.png for each
-``--sample-memory`` series found (DIR/**/*_memory.csv, or --memory): MiB against time. OUTDIR
-defaults to DIR.
+against users), and <tag>_memory.png for each ``--sample-memory`` series found
+(DIR/**/*_memory.csv, or --memory): MiB against time. OUTDIR defaults to DIR. ``bash bench/gpu.sh
+loadtest`` (and ``soak``) ends with this.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     python -m loadtest.run --host http://127.0.0.1:8000 --users 64 --run-time 60s --mix small \
         --user-class st,grpc [--grpc-target 127.0.0.1:8001] [--processes 4] [--sample-memory PID]
+    bash bench/gpu.sh loadtest      # a server on this GPU host and the whole matrix of runs (or: soak)
 
 Writes to --reports-dir (default reports/): <tag>_stats.csv, _stats_history.csv, _failures.csv,
 _exceptions.csv and <tag>.html (Locust's), <tag>_final.json (every request, counted after the users
@@ -352,10 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_html:
         cmd += ["--html", f"{prefix}.html"]
     if a.processes != 1:
-        # A port of this run's own: Locust's default (5557) let the workers of a previous run, still
-        # finishing 30 s calls, join the next run's master. On the H200 host (2026-11-30) each gRPC
-        # cell after an HTTP cell counted that cell's HTTP calls, lost its user count to 0 after
-        # ~13 s, and its statistics covered 7 s of 140.
+        # A port of this run's own: on Locust's default (5557) the workers of a previous run, still
+        # finishing long calls, join the next run's master, which then counts their calls as its own
+        # and loses its user count (docs/benchmarks/service.md).
         port = free_port()
         cmd += ["--processes", str(a.processes), "--master-bind-port", str(port), "--master-port", str(port)]
     cmd += [a for a in a.locust_args if a != "--"] + [USER_CLASSES[c] for c in classes]

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, run_server
 
 sys.path.insert(0, str(ROOT))  # loadtest/ is not an installed package: plain `pytest` finds it too
-from loadtest import payloads, run  # noqa: E402
+from loadtest import encodings, payloads, run  # noqa: E402
 from loadtest.payloads import WrongAnswer  # noqa: E402
 
 KEY = "loadtest-key"
@@ -69,7 +69,7 @@ def test_smoke_every_user_zero_failures(server, tmp_path):
 def test_worker_processes_meet_only_their_own_master(server, tmp_path):
     """With --processes, a run's Locust workers talk to its master on a port of its own: on Locust's
     default port (5557, held here by another listener, as by a previous run's master or workers)
-    a run would fail, or count another run's users (H200 host, 2026-11-30)."""
+    a run would fail, or count another run's users."""
     import socket
 
     with contextlib.ExitStack() as stack:
@@ -98,7 +98,7 @@ def test_refused_requests_are_failures(server, tmp_path):
 
 
 def _attend(server, p: payloads.Prepared, rng) -> tuple[bytes, payloads.Expected]:
-    body, exp = payloads.safetensors_body(p, rng)
+    body, exp = encodings.safetensors_body(p, rng)
     resp = httpx.post(server.url + "/attention", content=body, timeout=60,
                       headers={"Content-Type": "application/x-safetensors", "Authorization": f"Bearer {KEY}"})
     assert resp.status_code == 200, resp.text
@@ -107,7 +107,7 @@ def _attend(server, p: payloads.Prepared, rng) -> tuple[bytes, payloads.Expected
 
 def _with_o(dtype: str, shape: list[int], raw: bytes) -> bytes:
     """A safetensors file holding only ``o`` = raw."""
-    return payloads.safetensors_header([("o", dtype, shape, len(raw))]) + raw
+    return encodings.safetensors_header([("o", dtype, shape, len(raw))]) + raw
 
 
 # Odd sizes: D 59 (not a power of two), GQA 4/1, Nq 17 < Nk 97 with causal (bottom-right), bf16.
@@ -121,49 +121,49 @@ def test_check_accepts_the_answer_and_fails_anything_else(server, shape):
     rng = random.Random(0)
     p = payloads.prepare(shape, seed=1)
     body, exp = _attend(server, p, rng)
-    payloads.check_safetensors(body, exp)  # the right answer passes
+    encodings.check_safetensors(body, exp)  # the right answer passes
 
-    _, other = payloads.safetensors_body(p, rng)  # the same shape, another request's c
+    _, other = encodings.safetensors_body(p, rng)  # the same shape, another request's c
     with pytest.raises(WrongAnswer, match="mixed-up"):
-        payloads.check_safetensors(body, other)
+        encodings.check_safetensors(body, other)
 
-    dtype, oshape, raw = payloads.parse_safetensors(body)["o"]
+    dtype, oshape, raw = encodings.parse_safetensors(body)["o"]
     wrong_dtype = "bfloat16" if dtype == "float16" else "float16"
     with pytest.raises(WrongAnswer, match="expected"):
-        payloads.check_safetensors(_with_o(wrong_dtype, oshape, bytes(raw)), exp)
+        encodings.check_safetensors(_with_o(wrong_dtype, oshape, bytes(raw)), exp)
     swapped = [oshape[0], oshape[2], oshape[1], oshape[3]]  # bnhd instead of bhnd
     with pytest.raises(WrongAnswer, match="expected"):
-        payloads.check_safetensors(_with_o(dtype, swapped, bytes(raw)), exp)
+        encodings.check_safetensors(_with_o(dtype, swapped, bytes(raw)), exp)
 
     bits = np.frombuffer(raw, dtype=np.uint16).copy()
     row = shape.b * shape.hq * shape.nq // 2
     bits[row * shape.d + 3] = 0x7E00  # one NaN in the middle of the answer
     with pytest.raises(WrongAnswer):
-        payloads.check_safetensors(_with_o(dtype, oshape, bits.tobytes()), exp)
+        encodings.check_safetensors(_with_o(dtype, oshape, bits.tobytes()), exp)
     with pytest.raises(WrongAnswer):  # a truncated answer
-        payloads.check_safetensors(_with_o(dtype, oshape, bytes(raw)[:-2]), exp)
+        encodings.check_safetensors(_with_o(dtype, oshape, bytes(raw)[:-2]), exp)
 
 
 def test_check_json_and_oip_fail_wrong_answers():
     rng = random.Random(3)
     p = payloads.prepare(payloads.JSON_LIST, seed=2)
-    _, exp = payloads.json_list_body(p, rng)
+    _, exp = encodings.json_list_body(p, rng)
     o = np.broadcast_to(exp.c, exp.shape)
-    payloads.check_json(json.dumps({"o": o.tolist()}).encode(), exp)
+    encodings.check_json(json.dumps({"o": o.tolist()}).encode(), exp)
     with pytest.raises(WrongAnswer):
-        payloads.check_json(json.dumps({"o": (o * 1.01).tolist()}).encode(), exp)
+        encodings.check_json(json.dumps({"o": (o * 1.01).tolist()}).encode(), exp)
     with pytest.raises(WrongAnswer):
-        payloads.check_json(json.dumps({"o": o[:, :, :-1].tolist()}).encode(), exp)
+        encodings.check_json(json.dumps({"o": o[:, :, :-1].tolist()}).encode(), exp)
 
     p16 = payloads.prepare(payloads.SMALL, seed=2)
-    _, _, exp16 = payloads.oip_body(p16, rng)
+    _, _, exp16 = encodings.oip_body(p16, rng)
     raw = np.broadcast_to(exp16.c.astype(np.float16), exp16.shape).tobytes()
     head = json.dumps({"outputs": [{"name": "o", "shape": exp16.shape, "datatype": "FP16",
                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
-    payloads.check_oip(head + raw, str(len(head)), exp16)
-    _, _, other = payloads.oip_body(p16, rng)
+    encodings.check_oip(head + raw, str(len(head)), exp16)
+    _, _, other = encodings.oip_body(p16, rng)
     with pytest.raises(WrongAnswer):
-        payloads.check_oip(head + raw, str(len(head)), other)
+        encodings.check_oip(head + raw, str(len(head)), other)
 
 
 def test_check_samples_big_answers_and_still_catches_a_mix_up():
@@ -206,7 +206,7 @@ def test_safetensors_header_is_what_the_library_reads():
     from safetensors.numpy import load
 
     raw = np.arange(6, dtype=np.float16).tobytes()
-    body = payloads.safetensors_header([("o", "float16", [2, 3], len(raw))]) + raw
+    body = encodings.safetensors_header([("o", "float16", [2, 3], len(raw))]) + raw
     assert struct.unpack_from("<Q", body)[0] % 8 == 0
     np.testing.assert_array_equal(load(body)["o"], np.arange(6, dtype=np.float16).reshape(2, 3))
 
@@ -249,8 +249,8 @@ print("ok")
 
 
 def test_a_short_statistics_window_is_flagged():
-    """A cell whose statistics cover much less than its run time (256 gRPC users of 96 MiB calls:
-    the last 6.9 s of 140, H200 host, 2026-11-30) says so."""
+    """A cell whose statistics cover much less than its run time (here the last 6.9 s of 140, as
+    with hundreds of gRPC users of 96 MiB calls on a busy load generator) says so."""
     import io
 
     assert run.run_seconds("140s") == 140 and run.run_seconds("5m") == 300
@@ -274,7 +274,7 @@ def test_a_short_statistics_window_is_flagged():
 
 @pytest.mark.parametrize("label", ["small-f16", "decode-8k-bf16"])
 def test_grpc_body_is_the_request_built_as_a_message(label):
-    """The hand-appended v field (payloads.grpc_attend_body) parses to the AttendRequest that
+    """The hand-appended v field (encodings.grpc_attend_body) parses to the AttendRequest that
     building it as a message gives, the second call (cached q, k) too."""
     from service.grpc.protogen import attention_stubs
 
@@ -282,7 +282,7 @@ def test_grpc_body_is_the_request_built_as_a_message(label):
     shape = payloads.SHAPES[label]
     p = payloads.prepare(shape, seed=3)
     for seed in (1, 2):
-        body, exp = payloads.grpc_attend_body(p, random.Random(seed), pb)
+        body, exp = encodings.grpc_attend_body(p, random.Random(seed), pb)
         _, v = p.fresh_v(random.Random(seed))
         code = payloads.DTYPE_CODES[shape.dtype][2]
         want = pb.AttendRequest(q=pb.Tensor(shape=shape.q_shape, dtype=code, data=p.q),
@@ -294,10 +294,9 @@ def test_grpc_body_is_the_request_built_as_a_message(label):
 
 def test_grpc_users_with_big_messages_keep_their_workers(tmp_path):
     """32 gRPC users in 2 Locust processes sending 32-128 MiB decode messages: every worker keeps
-    heartbeating, so the statistics cover the whole run. Through grpc's gevent mode the calls held
-    each process's gevent loop for seconds and the master dropped every worker within seconds (CPU
-    box: "The last worker went missing, stopping test"; the H200 host's gRPC prefill cells at 256
-    users lost all their users the same way, 2026-11-30)."""
+    heartbeating, so the statistics cover the whole run. Through grpc's gevent mode the calls hold
+    each process's gevent loop for seconds and the master drops every worker within seconds ("The
+    last worker went missing, stopping test")."""
     with run_server(tmp_path, "--warmup-shapes", "1x1x8x8",
                     "--request-timeout-ms", "600000") as server:
         cmd = [sys.executable, "-m", "loadtest.run", "--host", server.url, "--grpc-target", server.grpc_target,
@@ -310,3 +309,63 @@ def test_grpc_users_with_big_messages_keep_their_workers(tmp_path):
     assert "went missing" not in out, out[-3000:]
     assert summary["result"]["failures"] == 0, out[-3000:]
     assert summary["result"]["requests"] > 0 and summary["result"]["duration_s"] >= 15, out[-3000:]
+
+
+STUB_PYTHON = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$CALLS"
+case "$1 $2" in
+  "-m service") exec sleep 120 ;;
+esac
+exit 0
+"""
+
+
+def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
+    """bench/gpu.sh all, with an interpreter that only records its calls: every part's tests and
+    benchmarks run, into OUTDIR, each load-test run with arguments loadtest.run accepts, and the
+    server is stopped at the end. An unknown part is a usage error."""
+    import argparse
+    import os
+    import re
+    import shutil
+
+    script = ROOT / "bench" / "gpu.sh"
+    stub = tmp_path / "python"
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    calls, out = tmp_path / "calls.txt", tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(stub), "CALLS": str(calls), "USERS": "16",
+           "MIXES": "small prefill", "TRANSPORTS": "st grpc", "SOAK_S": "1", "IDLE_S": "0", "SOAK_CELLS": "1"}
+    proc = subprocess.run(["bash", str(script), "all", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = calls.read_text().splitlines()
+    for want in ("-m pytest -q -m gpu", f"-m bench.kernels --out-dir {out}/kernels --budget-s 480",
+                 "-m bench.service engine --only small,large,multi,procs --seconds 2",
+                 "-m bench.http_latency --iters 150 --large-iters 4", "-m bench.grpc_latency --iters 500",
+                 "-m service --host 127.0.0.1", f"-m loadtest.report {out}/loadtest/cells",
+                 f"-m loadtest.report {out}/soak/cells"):
+        assert any(line.startswith(want) for line in lines), (want, lines)
+    runs = [line.split()[2:] for line in lines if line.startswith("-m loadtest.run ")]
+    # 2 mixes x 2 transports x 1 user count, batching off and on; the soak, then its cells (batching on)
+    assert len(runs) == 2 * 2 * 2 + 1 + 2 * 2, runs
+    for args in runs:
+        run.build_parser().parse_args(args)
+    from bench import http_latency
+
+    http_args = argparse.ArgumentParser()
+    http_latency.add_arguments(http_args)
+    http_args.parse_args(next(line for line in lines if line.startswith("-m bench.http_latency ")).split()[2:])
+    assert sum("--sample-memory" in a for a in runs) == 1
+    assert (out / "env.txt").exists() and (out / "loadtest" / "bench.log").exists()
+    assert (out / "soak" / "server_batching_on.log").exists()
+    assert "-m service --host 127.0.0.1 --http-port 8000 --grpc-port 8001 --device cuda --no-batching" in lines
+    text = script.read_text()
+    assert ".whl" not in text and "-m pip" not in text and not re.search(r"\$\{?OUT\b", text)
+
+    bad = subprocess.run(["bash", str(script), "bogus"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if shutil.which("shellcheck"):
+        check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout
