@@ -738,7 +738,7 @@ def test_server_timing_header(http):
 def test_safetensors_answer_is_sent_from_the_tensors_own_memory():
     """An answer goes out as buffers (header, then each tensor's bytes, views of its memory):
     together they are exactly the safetensors file, empty tensors included; the views do not copy."""
-    from service.http import codec as wire
+    from service.wire import tensors as wire
 
     tensors = {
         "o": torch.randn(2, 3, 5, 8).to(torch.bfloat16),

@@ -22,7 +22,7 @@ import kernels
 from service.core.types import AttentionResult
 from service.errors import BadRequest, NotFound, from_kernel_error
 from service.http.app import create_app
-from service.http.codec import read_body
+from service.http.body import read_body
 from service.settings import Settings
 
 

@@ -13,69 +13,36 @@ failed, so that one bad call does not end a stream that carries many.
 from __future__ import annotations
 
 import asyncio
-import logging
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.auth import check_api_key
-from service.errors import BadRequest, ServiceError
+from service.errors import BadRequest, NotFound
 from service.grpc import codec, oip
 from service.grpc.codec import offload, result_bytes
+from service.grpc.errors import abort, error_status
 from service.grpc.protogen import attention_stubs
 from service.settings import Settings
 from service.wire.tensors import ServerTiming
-
-log = logging.getLogger("attnserve.grpc")
 
 stubs = attention_stubs()
 pb, pb_grpc = stubs.attention_pb2, stubs.attention_pb2_grpc
 
 ATTENTION_SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 # Reachable without an API key: health probes (as /healthz, /readyz, /v2/health/*) and reflection.
-KEY_EXEMPT_SERVICES = frozenset({
-    health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection",
-})
+REFLECTION_SERVICES = frozenset({reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
+KEY_EXEMPT_SERVICES = REFLECTION_SERVICES | {health.SERVICE_NAME}
 KEY_EXEMPT_METHODS = frozenset(oip.HEALTH_METHODS)
 STREAM_WINDOW = oip.STREAM_WINDOW  # calls one stream may have in flight (then flow control)
 MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's own ceiling for a message-size option
 
 
-# ---- one place for status codes ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ErrorStatus:
-    """What a caller is told about a failed call: gRPC status, service code, message, retry hint."""
-
-    status: grpc.StatusCode
-    code: str  # the service's stable code (service.errors), e.g. "invalid_input"
-    message: str
-    retry_after_s: float | None = None
-
-
-def error_status(exc: Exception) -> ErrorStatus:
-    """The one mapping of an exception to its status (API.md §7); never leaks a stack trace.
-    ``ServiceError`` carries its own; anything else is a bug: logged, and INTERNAL."""
-    if isinstance(exc, ServiceError):
-        return ErrorStatus(grpc.StatusCode[exc.grpc_code], exc.code, exc.message, exc.retry_after_s)
-    log.error("unexpected error in a gRPC handler", exc_info=exc)
-    return ErrorStatus(grpc.StatusCode.INTERNAL, "internal",
-                       f"internal error ({type(exc).__name__}); see the server log")
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """End the call with ``exc``'s status; trailers ``attnserve-error-code`` and ``retry-after``."""
-    err = error_status(exc)
-    trailers = [("attnserve-error-code", err.code)]
-    if err.retry_after_s is not None:
-        trailers.append(("retry-after", f"{err.retry_after_s:g}"))
-    await context.abort(err.status, err.message, trailing_metadata=tuple(trailers))
-
+# ---- status codes: service.grpc.errors, applied by the interceptor -------------------------
 
 def call_error(exc: Exception):
-    """``exc`` as an in-band attention.v1.CallError (AttendStream): what ``_abort`` would have sent."""
+    """``exc`` as an in-band attention.v1.CallError (AttendStream): what ``abort`` would have sent."""
     err = error_status(exc)
     return pb.CallError(status=err.status.name, code=err.code, message=err.message,
                         retry_after_s=err.retry_after_s)
@@ -148,7 +115,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         return True
 
     def _check_key(self, details: grpc.HandlerCallDetails) -> None:
-        if not self.settings.api_key or details.method in KEY_EXEMPT_METHODS:
+        service = details.method.rpartition("/")[0].lstrip("/")  # "/pkg.Service/Method"
+        if not self.settings.api_key or details.method in KEY_EXEMPT_METHODS or service in KEY_EXEMPT_SERVICES:
             return
         metadata = {key: value for key, value in (details.invocation_metadata or ())}
         check_api_key(self.settings, metadata.get("authorization"), metadata.get("x-api-key"))
@@ -157,8 +125,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None  # unknown method: grpc answers UNIMPLEMENTED
-        if details.method.rpartition("/")[0].lstrip("/") in KEY_EXEMPT_SERVICES:  # "/pkg.Service/Method"
-            return handler
+        if details.method.rpartition("/")[0].lstrip("/") in REFLECTION_SERVICES:  # "/pkg.Service/Method"
+            return handler  # grpc's own servicer, answering its own errors
         check, started = self._check_key, self._started
 
         if handler.unary_unary is not None:
@@ -172,7 +140,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:
-                    await _abort(context, exc)
+                    await abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(unary, _lenient(handler.request_deserializer),
                                                        handler.response_serializer)
@@ -188,7 +156,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:
-                    await _abort(context, exc)
+                    await abort(context, exc)
 
             return grpc.stream_stream_rpc_method_handler(bidi, _lenient(handler.request_deserializer),
                                                          handler.response_serializer)
@@ -273,7 +241,7 @@ class EngineHealth(health_pb2_grpc.HealthServicer):
     async def Check(self, request, context):
         status = self.status(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise NotFound(f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, context):
