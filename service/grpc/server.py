@@ -1,18 +1,19 @@
 """The gRPC front end: attention.v1.AttentionService, the Open Inference Protocol's
-inference.GRPCInferenceService (``grpc_oip``), grpc.health.v1.Health and server reflection, on one
+inference.GRPCInferenceService (``oip``), grpc.health.v1.Health and server reflection, on one
 ``grpc.aio`` server in the service's event loop, sharing the engine with the HTTP server.
 
-Handlers only convert messages <-> internal requests (``grpc_codec``) and await the engine. Every
-status code is set in one place, ``ServiceInterceptor``: it checks the API key (``authorization:
-Bearer KEY`` metadata) and turns ``service.errors.ServiceError`` into the status of API.md §7. One
-function, ``error_status``, maps an exception to what the caller is told: the interceptor sends it as
-the call's status, and ``AttendStream`` sends it in-band (``AttendResponse.error``) for a call that
-failed, so that one bad call does not end a stream that carries many.
+Handlers only convert messages <-> internal requests (``codec``) and await the engine. Every status
+code is set in one place, ``ServiceInterceptor``: around every rpc but reflection's, it checks the
+API key (``authorization: Bearer KEY`` metadata; not for health probes) and ends a call that raised
+with ``errors.error_status``'s status (API.md §7). ``AttendStream`` and ``ModelStreamInfer`` send
+that same status in-band for a call that failed, so that one bad call does not end a stream that
+carries many.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -121,26 +122,33 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         metadata = {key: value for key, value in (details.invocation_metadata or ())}
         check_api_key(self.settings, metadata.get("authorization"), metadata.get("x-api-key"))
 
+    @contextlib.asynccontextmanager
+    async def _answering(self, details: grpc.HandlerCallDetails, context):
+        """Around one call: counted while it runs, its API key checked, and whatever it raises
+        ended as its status (``errors.abort``); cancellation and an abort already made pass."""
+        self._started(context)
+        try:
+            self._check_key(details)
+            yield
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await abort(context, exc)
+
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None:
             return None  # unknown method: grpc answers UNIMPLEMENTED
         if details.method.rpartition("/")[0].lstrip("/") in REFLECTION_SERVICES:  # "/pkg.Service/Method"
             return handler  # grpc's own servicer, answering its own errors
-        check, started = self._check_key, self._started
+        answering = self._answering
 
         if handler.unary_unary is not None:
             behavior = handler.unary_unary
 
             async def unary(request, context):
-                started(context)
-                try:
-                    check(details)
+                async with answering(details, context):
                     return await behavior(_parsed(request), context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(unary, _lenient(handler.request_deserializer),
                                                        handler.response_serializer)
@@ -148,15 +156,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             behavior = handler.stream_stream
 
             async def bidi(request_iterator, context):
-                started(context)
-                try:
-                    check(details)
+                async with answering(details, context):
                     async for response in behavior(_parsed_stream(request_iterator), context):
                         yield response
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await abort(context, exc)
 
             return grpc.stream_stream_rpc_method_handler(bidi, _lenient(handler.request_deserializer),
                                                          handler.response_serializer)
