@@ -265,7 +265,7 @@ class EngineHealth(health_pb2_grpc.HealthServicer):
 # After the last RPC ended, how long the server keeps its connections open before it closes them.
 # An RPC "ends" once its status is handed to the transport. Closing a socket while the client's
 # acknowledgements of that answer are still unread resets the connection, and the client then
-# loses the answer's tail. A drained 4 MiB answer was lost that way once in ~10 test runs.
+# loses the answer's tail; a large answer at drain is the one exposed to that.
 ANSWER_LINGER_S = 0.25
 
 
