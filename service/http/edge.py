@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.auth import check_api_key
 from service.errors import ServiceError
-from service.http.errors import error_response, service_error_response
+from service.http.errors import internal_error_response, service_error_response
 from service.settings import Settings
 
 log = logging.getLogger("attnserve.http")
@@ -83,9 +83,7 @@ class EdgeMiddleware:
         except Exception:  # a bug: log it here, tell the client nothing about it
             log.exception("unhandled error on %s %s", scope["method"], path)
             if not started:
-                await error_response(path, 500, "internal", "internal server error")(
-                    scope, receive, send_with_id
-                )
+                await internal_error_response(path)(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"

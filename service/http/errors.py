@@ -1,7 +1,8 @@
 """The HTTP transport's one mapping of errors to status codes and bodies (API.md §7).
 
 Every ``ServiceError`` (``service.errors``) gets its ``http_status``, request-validation errors 400,
-unknown routes 404/405; anything else is answered 500 without a stack trace by ``edge``. Native
+unknown routes 404/405; anything else 500 without a stack trace (``internal_error_response``,
+sent by ``edge`` for whatever a route lets out). Native
 routes answer ``{"error": {"code", "message"}}``; ``/v2`` routes answer the Open Inference
 Protocol's ``{"error": "<message>"}``.
 """
@@ -42,6 +43,11 @@ def error_response(
 
 def service_error_response(path: str, exc: ServiceError) -> Response:
     return error_response(path, exc.http_status, exc.code, exc.message, exc.retry_after_s)
+
+
+def internal_error_response(path: str) -> Response:
+    """A bug's answer: 500, and nothing about it (the log has it)."""
+    return error_response(path, 500, "internal", "internal server error")
 
 
 def _validation_message(exc: RequestValidationError) -> str:
