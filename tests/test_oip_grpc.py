@@ -323,3 +323,20 @@ def test_server_version_is_the_package_version(http_client, client):
     version = metadata.version("attnserve")
     assert client.get_server_metadata(headers=HEADERS).version == version
     assert http_client.get_server_metadata(headers=HEADERS)["version"] == version
+
+
+@pytest.mark.parametrize("parameters", [
+    {"causal": True, "scale": 0.5, "return_lse": True, "kernel": "reference"},  # bool_param / JSON
+    {"causal": "true", "scale": "0.5", "return_lse": "1", "kernel": "reference"},  # string_param
+    {"causal": 1, "scale": 0.5, "return_lse": 1, "kernel": "reference", "other": object()},  # int64_param
+], ids=["typed", "strings", "ints"])
+def test_one_request_from_each_form(parameters):
+    """``wire.oip.build_call`` (what both transports call) reads each form of a parameter alike."""
+    from service.wire import oip
+
+    q = torch.randn(1, 2, 3, 8)
+    call = oip.build_call(oip.ATTENTION_MODEL, {"q": q, "k": q, "v": q}, parameters, None,
+                          request_id="r", deadline=None)
+    req = call.request
+    assert (req.causal, req.scale, req.return_lse, req.kernel, call.outputs) == \
+        (True, 0.5, True, "reference", ("o", "lse"))

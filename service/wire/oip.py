@@ -236,15 +236,14 @@ def build_call(
         raise BadRequest(f"missing input{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     known = ATTENTION_PARAMETERS if model.is_attention else LAYER_PARAMETERS
     opts = parse_options({k: v for k, v in parameters.items() if k in known}, "parameter")
+    outputs = select_outputs(model, requested, opts.get("return_lse", False))
     arrived = time.monotonic() if arrived is None else arrived
     kv_lengths = kv_lengths_int32(tensors.get("kv_lengths"))
     if not model.is_attention:
-        select_outputs(model, requested, False)
         request = LayerRequest(layer=model.name, x=tensors["x"], causal=opts.get("causal", False),
                                positions=tensors.get("positions"), kv_lengths=kv_lengths,
                                request_id=request_id, deadline=deadline, arrived=arrived)  # fmt: skip
-        return Call(model, request, model.output_names)
-    outputs = select_outputs(model, requested, opts.get("return_lse", False))
+        return Call(model, request, outputs)
     opts["return_lse"] = "lse" in outputs
     check_dims(tensors, ("q", "k", "v"), 4, "bhnd")
     request = AttentionRequest(q=tensors["q"], k=tensors["k"], v=tensors["v"], kv_lengths=kv_lengths,

@@ -172,7 +172,7 @@ def uninitialized_bytearray(n: int) -> bytearray:
     return _new_bytearray(None, n)
 
 
-# ---------------------------------------------------------------- safetensors files
+# ---------------------------------------------------------------- shapes and safetensors files
 
 
 def check_shape(shape: Any, name: str) -> list[int]:
