@@ -24,9 +24,11 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.errors import BadRequest
-from service.http import codec
+from service.http import body as http_body
+from service.http import codec, json_tensors
 from service.sessions import SessionStep
 from service.settings import Settings
+from service.wire.options import parse_bool, parse_options
 from service.wire.tensors import ServerTiming
 
 STEP_TENSORS = ("q", "k", "v")
@@ -45,11 +47,11 @@ def _parse_layer(value: Any) -> int:
 
 def step_options(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Raw option values (query strings, metadata strings, JSON values) -> SessionStep keywords."""
-    out = codec.attention_options({k: v for k, v in raw.items() if k in ("causal", "scale", "layout", "return_lse")})
+    out = parse_options({k: v for k, v in raw.items() if k in ("causal", "scale", "layout", "return_lse")})
     if "layer" in raw:
         out["layer"] = _parse_layer(raw["layer"])
     if "end" in raw:
-        out["end"] = codec.parse_bool("end", raw["end"])
+        out["end"] = parse_bool("end", raw["end"])
     return out
 
 
@@ -77,18 +79,18 @@ def decode_step(session: str, body: bytearray, mtype: str, query: Mapping[str, s
 def decode_packed(body: bytearray, mtype: str, query: Mapping[str, str], **ids: Any) -> tuple[SessionStep, str]:
     """A packed step's body -> (SessionStep, the answer's encoding)."""
     if mtype == codec.JSON:
-        doc = codec.parse_json(body)
+        doc = json_tensors.parse_json(body)
         if not isinstance(doc, dict):
             raise BadRequest('the JSON body must be an object such as {"sessions": [...], "q": ..., "q_lengths": ...}')
         doc = dict(doc)
         lengths = doc.pop("q_lengths", None)
         sessions = doc.pop("sessions", None)
-        tensors, body_opts, encoding = codec.json_tensors(doc, STEP_TENSORS, STEP_OPTIONS)
+        tensors, body_opts, encoding = json_tensors.json_tensors(doc, STEP_TENSORS, STEP_OPTIONS)
         if sessions is not None:
             body_opts["sessions"] = sessions
         raw = codec.merge_options(PACKED_OPTIONS, body_opts, dict(query))
         if isinstance(lengths, dict):
-            lengths = codec.json_tensor(lengths, "q_lengths", torch.int64)[0]
+            lengths = json_tensors.json_tensor(lengths, "q_lengths", torch.int64)[0]
     else:
         tensors, raw, encoding = codec.decode_tensors(body, mtype, (*STEP_TENSORS, "q_lengths"), PACKED_OPTIONS,
                                                       query)
@@ -117,38 +119,38 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         arrived = time.monotonic()
         ids = {
             "request_id": request.state.request_id,
-            "deadline": codec.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived),
+            "deadline": http_body.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived),
             "arrived": arrived,
         }
-        mtype = codec.media_type(request)
+        mtype = http_body.media_type(request)
         if mtype not in (codec.SAFETENSORS, codec.JSON):
             raise codec.UnsupportedMediaType(
                 f"unsupported Content-Type {mtype or '(none)'!r}; send {codec.SAFETENSORS} or {codec.JSON}"
             )
         if mtype == codec.SAFETENSORS:
-            body = await codec.read_body(request, limit)
+            body = await http_body.read_body(request, limit)
         else:
-            body = await codec.read_body(request, json_limit, "--max-json-mb")
+            body = await http_body.read_body(request, json_limit, "--max-json-mb")
         return body, mtype, ids
 
     async def answer(request: Request, decode, *args) -> Response:
         timing = ServerTiming()
         body, mtype, ids = await read(request)
         timing.mark("read")
-        big = codec.worth_offloading(len(body), len(body) if mtype == codec.JSON else 0)
-        step, encoding = await codec.offload(big, lambda: decode(*args, body, mtype, request.query_params, **ids))
+        big = http_body.worth_offloading(len(body), len(body) if mtype == codec.JSON else 0)
+        step, encoding = await http_body.offload(big, lambda: decode(*args, body, mtype, request.query_params, **ids))
         timing.mark("decode")
         result = await engine.sessions.step(step)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await codec.encode_answer(tensors, encoding, big)
         timing.mark("encode")
-        return codec.respond(content, media, {"Server-Timing": timing.value()})
+        return http_body.respond(content, media, {"Server-Timing": timing.value()})
 
     @router.post("/sessions", status_code=201, summary="create a session (its KV cache is kept on the server)")
     async def create_session(request: Request) -> Response:
-        if codec.media_type(request) != codec.JSON:
+        if http_body.media_type(request) != codec.JSON:
             raise codec.UnsupportedMediaType(f"send the session's description as {codec.JSON}")
-        doc = codec.parse_json(await codec.read_body(request, json_limit, "--max-json-mb"))
+        doc = json_tensors.parse_json(await http_body.read_body(request, json_limit, "--max-json-mb"))
         if not isinstance(doc, dict):
             raise BadRequest('the body must be an object such as {"num_kv_heads": 8, "head_dim": 128}')
         unknown = set(doc) - set(CREATE_FIELDS)
