@@ -56,7 +56,7 @@ def process_count(settings: Settings) -> int:
     one GPU did, two processes 2.08x (``bench.service engine --only multi,procs``, 2026-11-30)."""
     if settings.processes:
         return settings.processes
-    from service.core.worker import resolve_devices
+    from service.core.devices import resolve_devices
 
     try:
         devices = resolve_devices(settings.device)
@@ -68,7 +68,7 @@ def process_count(settings: Settings) -> int:
 def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     """Start ``processes`` servers (``python -m service`` with ``argv`` and this process's share of
     the devices), forward signals, wait; the exit code (0 after a clean stop)."""
-    from service.core.worker import resolve_devices
+    from service.core.devices import resolve_devices
 
     try:
         devices = [str(d) for d in resolve_devices(settings.device)]

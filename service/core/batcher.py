@@ -75,8 +75,6 @@ class Pending:
     """A request waiting for its answer: exactly one of set_result/set_exception ever happens."""
 
     request: AttentionRequest | LayerRequest
-    key: Hashable  # requests of equal keys may share a launch
-    tokens: int  # query tokens, B·Nq (what --max-batch-tokens counts)
     memory: int  # device bytes a launch of this request alone needs
     io_bytes: int  # bytes it moves host -> device -> host (inputs and outputs)
     flops: float  # its compute, roughly (io_bytes and flops: whether splitting a batch pays)
@@ -86,6 +84,12 @@ class Pending:
     launched: bool = False
     released: bool = False  # no longer counted as held
     work: float = 0.0  # estimated device seconds (set by the batcher, which knows the device)
+    key: Hashable = field(init=False)  # the request's launch_key: requests of equal keys may share a launch
+    tokens: int = field(init=False)  # the request's query tokens (what --max-batch-tokens counts)
+
+    def __post_init__(self) -> None:
+        self.key = self.request.launch_key
+        self.tokens = self.request.tokens
 
     def resolve(self, outcome) -> None:
         if self.future.done():  # the caller gave up (deadline, disconnect): nothing to tell
@@ -335,7 +339,7 @@ class Batcher:
 
     @staticmethod
     def _least_loaded(workers: list[Worker]) -> Worker:
-        return min(workers, key=lambda w: (w.inflight, w.inflight_tokens))
+        return min(workers, key=lambda w: w.load)
 
     def _take(self, key: Hashable, max_tokens: int | None = None) -> list[Pending]:
         """Pop the head of ``key``'s queue: up to ``max_tokens`` (default and at most
@@ -369,22 +373,19 @@ class Batcher:
 
     def _launch(self, worker: Worker, batch: list[Pending]) -> None:
         now = time.monotonic()
-        tokens = sum(p.tokens for p in batch)
         for p in batch:
             p.launched = True
             self.metrics.queue_duration_of[p.kind].observe(now - p.enqueued)
-        worker.inflight += 1
-        worker.inflight_tokens += tokens
-        try:  # the worker starts now; the task below only awaits its answers
+        try:  # the worker starts now (and counts the batch as its load); the task only awaits its answers
             answers = worker.submit([p.request for p in batch])
         except Exception as exc:  # noqa: BLE001 - e.g. a worker already shut down: this batch fails
             answers = asyncio.get_running_loop().create_future()
             answers.set_exception(exc)
-        task = asyncio.create_task(self._run_batch(worker, batch, tokens, answers))
+        task = asyncio.create_task(self._run_batch(worker, batch, answers))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run_batch(self, worker: Worker, batch: list[Pending], tokens: int, answers: asyncio.Future) -> None:
+    async def _run_batch(self, worker: Worker, batch: list[Pending], answers: asyncio.Future) -> None:
         """The batch step: exactly one answer per request, errors only to the requests they concern."""
         t0 = time.monotonic()
         try:
@@ -402,8 +403,6 @@ class Batcher:
             )
             outcomes = [error] * len(batch)
         finally:
-            worker.inflight -= 1
-            worker.inflight_tokens -= tokens
             self._latency_ema = 0.9 * self._latency_ema + 0.1 * (time.monotonic() - t0)
             self._wake.set()
         for p, outcome in zip(batch, outcomes, strict=True):
