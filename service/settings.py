@@ -146,7 +146,7 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         False,
         description="log one line per HTTP request (uvicorn's access log); off by default, like Triton "
-        "Inference Server's: a line costs the event loop ~0.04-0.07 ms per call, and /metrics counts "
+        "Inference Server's: each line costs the event loop time on every call, and /metrics counts "
         "requests by route and status",
     )
 

@@ -8,17 +8,16 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   so a lone request pays no batching delay. With several idle workers the batch is split evenly
   among them only when each share still holds about ``SHARE_MIN_S`` of device work (bytes to move,
   FLOPs to compute): a small batch stays whole, since a second launch costs more host time than
-  it saves (two H200s in one process: a 64-request batch of 1x8x128x64 split in two ran 0.78x the
-  rate of one GPU);
+  it saves (see docs/benchmarks/service.md#batching);
 - while every worker is busy, arrivals gather; a batch closes (and is staged on the least-loaded
   worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or
   ``max_batch_work_ms`` of estimated device work, or its oldest request has waited
   ``max_queue_delay_ms``;
 - a batch never grows past ``max_batch_work_ms`` (a request above it runs alone). API.md §9 caps
   batches by tokens only; but a request that already keeps the GPU busy for milliseconds gains
-  nothing from sharing a launch, and joining them serialises their staging behind one launch: on
-  the H200, four 1x32x8192x128 requests per launch ran the worker at 16-23% of the kernel's rate,
-  with no copy of one launch overlapping another's kernel; one per launch, 36-39%;
+  nothing from sharing a launch, and joining big requests serialises their staging behind one
+  launch, where one per launch lets one launch's copies overlap another's kernel
+  (see docs/benchmarks/service.md#batching);
 - keys are served oldest first, so one key cannot starve another;
 - a request that finds the server holding nothing else, ALONE_GAP_S or more after the previous
   arrival, may skip the queue: its worker answers it at once on the event loop when it has a CUDA
@@ -27,13 +26,19 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   would never form a batch.
 
 A batch step resolves exactly one future per request, fans an error out to exactly the requests
-it concerns, and checks the count of answers. The queue is bounded (``max_queue_size`` requests
-queued or running): beyond it ``submit`` refuses at once with ``QueueFull``.
+it concerns, and checks the count of answers. Each batch goes to ``Worker.submit``, which counts it
+in the worker's ``load`` until its answers are settled; the batcher only reads that load. The
+queue is bounded (``max_queue_size`` requests queued or running): beyond it ``submit`` refuses at
+once with ``QueueFull``.
 
 Deadlines: one heap of every waiting request's deadline and one timer armed at the earliest;
 when it fires, each request past its deadline gets ``DeadlineExceeded`` (a queued one is dropped
 from its queue; a launched one is answered now and its launch's outcome is ignored). This costs a
-heap push per request where an ``asyncio.timeout`` per request cost a timer and a context each.
+heap push per request, where an ``asyncio.timeout`` per request would cost a timer and a context
+each.
+
+The module stays whole (about 400 lines): the queue, the dispatch policy and the batch step share
+the per-key queues and counts, and read best as one story in the order a request meets them.
 """
 
 from __future__ import annotations
@@ -60,8 +65,8 @@ STAGED_PER_WORKER = 2  # one launch running + one batch closed and waiting behin
 
 # A request that arrives this soon after the previous one (or after the end of the previous one's
 # answer at once) may have company (a burst, a closed loop of callers): it is queued and may batch,
-# even on an idle server. Longer gaps (a lone caller's round trip through HTTP, ~0.8 ms on an
-# H200 host) let a worker answer it at once (``_answer_now``).
+# even on an idle server. Longer gaps (a lone caller's round trip through HTTP is several times
+# this) let a worker answer it at once (``_answer_now``).
 ALONE_GAP_S = 2.5e-4
 
 # Idle workers split a batch only when each share holds at least this much estimated device time,
@@ -169,9 +174,9 @@ class Batcher:
             if self._sweep_at is None or deadline < self._sweep_at:
                 self._arm_sweep(deadline)
         # The dispatcher runs on the next loop iteration, not here: the requests that arrive in
-        # this one (e.g. every submitter a finished batch answered) then close as one batch. On
-        # the two-GPU host, dispatching inline gave the first arrival to an idle worker alone:
-        # 7 requests per launch instead of 32, 0.48x the one-GPU rate instead of 1.27x.
+        # this one (e.g. every submitter a finished batch answered) then close as one batch;
+        # dispatched inline, the first arrival would go to an idle worker alone
+        # (see docs/benchmarks/service.md#batching).
         self._wake.set()
         try:
             return await pending.future
