@@ -4,7 +4,7 @@ One launch of a batch (``Worker.submit``):
     requests (CPU tensors, maybe read-only views of request bytes; never written into)
       -> concatenated along B into one staging tensor (pinned host memory on a GPU: ``staging``)
       -> copied to the device (non-blocking, on the worker's own CUDA stream)
-      -> one kernel launch (``kernels.attention``) or one layer forward
+      -> one kernel launch (``kernels.attention``) or one layer forward (``launches``)
       -> copied back into pinned host memory, split along B: one answer per request.
 
 A request that comes alone to an idle server may instead be answered at once on the event loop
@@ -27,19 +27,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 import kernels
-from service.core import staging
+from service.core import launches, staging
 from service.core.devices import parse_dtypes, parse_shapes
 from service.core.graphs import Graphs
+from service.core.launches import Outcome, Part, failed
+from service.core.launches import finish_all as _finish_all  # a module global: bench/diag_latency wraps it
 from service.core.metrics import Metrics
-from service.core.types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
+from service.core.types import AttentionRequest, AttentionResult, LayerRequest
 from service.errors import DeadlineExceeded, InvalidInput, ServiceError, Unavailable, from_kernel_error
 from service.settings import Settings
 
@@ -51,7 +52,6 @@ log = logging.getLogger("attnserve.worker")
 # run in parallel.
 _LAUNCH_LOCK = threading.Lock()
 
-Outcome = AttentionResult | LayerResult | ServiceError
 Request = AttentionRequest | LayerRequest
 
 
@@ -182,7 +182,7 @@ class Worker:
             else:
                 answered.set_result(outcomes)
 
-        def finish(parts: list[_Part], staged: float) -> None:
+        def finish(parts: list[Part], staged: float) -> None:
             try:
                 outcomes = _finish_all(parts)
                 inputs = max((p.staged_at for p in parts if p.staged_at), default=staged)
@@ -247,10 +247,10 @@ class Worker:
             o = o.transpose(1, 2).contiguous()  # (B, Hq, Nq, D) -> (B, Nq, Hq, D)
         return AttentionResult(o=o, lse=lse, request_id=req.request_id, stamps=stamps)
 
-    def _launch_all(self, requests: list[Request]) -> list[_Part]:
-        """Launcher thread: one ``_Part`` per run of consecutive requests, covering all in order."""
+    def _launch_all(self, requests: list[Request]) -> list[Part]:
+        """Launcher thread: one ``Part`` per run of consecutive requests, covering all in order."""
         now = time.monotonic()
-        parts: list[_Part] = []
+        parts: list[Part] = []
         live: list[Request] = []
 
         def flush() -> None:
@@ -261,13 +261,13 @@ class Worker:
         for r in requests:
             if r.deadline is not None and r.deadline <= now:  # never launched once expired
                 flush()
-                parts.append(_failed([DeadlineExceeded("the request's deadline passed before it could run")]))
+                parts.append(failed([DeadlineExceeded("the request's deadline passed before it could run")]))
             else:
                 live.append(r)
         flush()
         return parts
 
-    def _run_group(self, reqs: list[Request]) -> list[_Part]:
+    def _run_group(self, reqs: list[Request]) -> list[Part]:
         try:
             with torch.no_grad():
                 if self._cuda:
@@ -281,13 +281,13 @@ class Worker:
                 if len(reqs) == 1:
                     log.warning("worker %s: out of memory on one request (%s)", self.name, _describe(reqs[0]))
                     msg = "the device ran out of memory for this request; send a smaller one or retry later"
-                    return [_failed([Unavailable(msg)])]
+                    return [failed([Unavailable(msg)])]
                 self.metrics.oom_splits.labels(self.name).inc()
                 mid = len(reqs) // 2
                 return self._run_group(reqs[:mid]) + self._run_group(reqs[mid:])
             if len(reqs) > 1:  # isolate the request that fails: the others must not pay for it
                 return [p for r in reqs for p in self._run_group([r])]
-            return [_failed([self._error(exc, reqs[0])])]
+            return [failed([self._error(exc, reqs[0])])]
         part.requests = reqs
         part.on_error = self._error
         return [part]
@@ -312,7 +312,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def _launch(self, reqs: list[Request]) -> _Part:
+    def _launch(self, reqs: list[Request]) -> Part:
         if isinstance(reqs[0], AttentionRequest):
             return self._launch_attention(reqs)  # type: ignore[arg-type]
         return self._launch_layer(reqs)  # type: ignore[arg-type]
@@ -325,73 +325,14 @@ class Worker:
         """Device->host copies after the compute so far, and their event (``staging.to_host``)."""
         return staging.to_host(tensors, self._compute_stream, self._copy_out_stream)
 
-    def _launch_attention(self, reqs: list[AttentionRequest]) -> _Part:
-        first = reqs[0]
-        dtype = first.q.dtype
-        q, k, v, kv_lengths = self._stage(  # (ΣB, Hq, Nq, D), (ΣB, Hkv, Nk, D) x2, (ΣB,) or None
-            ([r.q for r in reqs], dtype),
-            ([r.k for r in reqs], dtype),
-            ([r.v for r in reqs], dtype),
-            # kv_lengths presence is part of the batch key
-            ([r.kv_lengths for r in reqs], torch.int32) if first.kv_lengths is not None else None,
-        )
-        staged_at = time.perf_counter()
-        with self._launch_lock():
-            o, lse = kernels.attention(
-                q,
-                k,
-                v,
-                causal=first.causal,
-                scale=first.scale,  # equal across the batch (part of its key); None: 1/sqrt(D)
-                kv_lengths=kv_lengths,
-                return_lse=True,
-                kernel=first.kernel,
-            )
-        want_lse = any(r.return_lse for r in reqs)
-        (o_host, lse_host), done = self._to_host([o, lse if want_lse else None])
-        keep = (q, k, v, kv_lengths, o, lse)  # device memory stays ours until the copies are done
+    def _launch_attention(self, reqs: list[AttentionRequest]) -> Part:
+        return launches.launch_attention(reqs, self._stage, self._to_host, self._launch_lock())
 
-        def split() -> list[Outcome]:
-            results: list[Outcome] = []
-            b0 = 0
-            for r in reqs:
-                b1 = b0 + r.q.shape[0]
-                o_r = o_host[b0:b1]  # (B, Hq, Nq, D), a view
-                if r.layout == "bnhd":
-                    o_r = o_r.transpose(1, 2).contiguous()  # -> (B, Nq, Hq, D)
-                lse_r = lse_host[b0:b1] if r.return_lse else None
-                results.append(AttentionResult(o=o_r, lse=lse_r, request_id=r.request_id))
-                b0 = b1
-            return results
-
-        return _Part(split=split, done=done, keep=keep, staged_at=staged_at)
-
-    def _launch_layer(self, reqs: list[LayerRequest]) -> _Part:
-        first = reqs[0]
-        layer = self.layers.get(first.layer)
+    def _launch_layer(self, reqs: list[LayerRequest]) -> Part:
+        layer = self.layers.get(reqs[0].layer)
         if layer is None:
-            raise InvalidInput(f"layer {first.layer!r} is not loaded on {self.name}")
-        x, positions, kv_lengths = self._stage(  # (ΣB, N, hidden), (ΣB, N) or None, (ΣB,) or None
-            ([r.x for r in reqs], layer.info.dtype),
-            ([r.positions for r in reqs], torch.int64) if first.positions is not None else None,
-            ([r.kv_lengths for r in reqs], torch.int32) if first.kv_lengths is not None else None,
-        )
-        staged_at = time.perf_counter()
-        with self._launch_lock():
-            y = layer.forward(x, causal=first.causal, positions=positions, kv_lengths=kv_lengths)
-        (y_host,), done = self._to_host([y])
-        keep = (x, positions, kv_lengths, y)
-
-        def split() -> list[Outcome]:
-            results: list[Outcome] = []
-            b0 = 0
-            for r in reqs:
-                b1 = b0 + r.x.shape[0]
-                results.append(LayerResult(y=y_host[b0:b1], request_id=r.request_id))
-                b0 = b1
-            return results
-
-        return _Part(split=split, done=done, keep=keep, staged_at=staged_at)
+            raise InvalidInput(f"layer {reqs[0].layer!r} is not loaded on {self.name}")
+        return launches.launch_layer(reqs, layer, self._stage, self._to_host, self._launch_lock())
 
     def close(self) -> None:
         self._launcher.shutdown(wait=True)
@@ -404,40 +345,3 @@ def _describe(r: Request) -> str:
     if isinstance(r, AttentionRequest):
         return f"q {list(r.q.shape)} k {list(r.k.shape)} {r.q.dtype}"
     return f"layer {r.layer} x {list(r.x.shape)}"
-
-
-@dataclass
-class _Part:
-    """Consecutive requests of a batch, launched together (or failed together before launch).
-
-    ``done`` (a CUDA event, or None) marks the device work complete; ``split`` then gives one
-    outcome per request; ``keep`` holds the device tensors alive until then."""
-
-    split: Callable[[], list[Outcome]]
-    done: Any = None
-    keep: tuple = ()
-    requests: list = field(default_factory=list)
-    on_error: Callable[[BaseException, Any], ServiceError] | None = None
-    staged_at: float | None = None  # time.perf_counter() once its inputs were staged
-
-
-def _failed(errors: list[ServiceError]) -> _Part:
-    return _Part(split=lambda: list(errors))
-
-
-def _finish_all(parts: list[_Part]) -> list[Outcome]:
-    """Finisher thread: wait for each part's device work, then split its answers."""
-    outcomes: list[Outcome] = []
-    for part in parts:
-        try:
-            if part.done is not None:
-                part.done.synchronize()
-            out = part.split()
-        except Exception as exc:  # noqa: BLE001 - an asynchronous device error fails this part only
-            assert part.on_error is not None
-            out = [part.on_error(exc, r) for r in part.requests]
-        if part.requests and len(out) != len(part.requests):
-            raise RuntimeError(f"a launch gave {len(out)} answers for {len(part.requests)} requests")
-        part.keep = ()
-        outcomes.extend(out)
-    return outcomes
