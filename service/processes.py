@@ -1,8 +1,8 @@
 """``--processes N``: N server processes behind the same HTTP and gRPC ports (by default one per GPU).
 
 One process serves every request through one event loop and one GIL; that loop, not the GPU, bounds
-what the service answers (docs/benchmarks/service.md: ~17 mixed requests/s on two H200s at 128
-users, 0.06 TFLOP/s). With N processes each has its own loop, engine and batcher:
+what the service answers (see docs/benchmarks/service.md#processes). With N processes each has its
+own loop, engine and batcher:
 
 - the devices are dealt out: with N <= the device count, process i gets devices i, i+N, ...;
   with more processes than devices, process i shares device i mod count with the others dealt it;
@@ -52,11 +52,11 @@ def process_count(settings: Settings) -> int:
     """How many server processes ``--processes`` asks for: 0 means one per GPU of ``--device``, one
     on the CPU (or when ``--device`` is not valid: the lone server then says why it cannot start).
 
-    Why one per GPU: on two H200s, two workers in one process answered 1.00x the small requests
-    one GPU did, two processes 2.08x (``bench.service engine --only multi,procs``, 2026-11-30)."""
+    Why one per GPU: two workers behind one event loop answer about what one GPU does, two
+    processes about twice that (see docs/benchmarks/service.md#processes)."""
     if settings.processes:
         return settings.processes
-    from service.core.worker import resolve_devices
+    from service.core.devices import resolve_devices
 
     try:
         devices = resolve_devices(settings.device)
@@ -68,7 +68,7 @@ def process_count(settings: Settings) -> int:
 def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     """Start ``processes`` servers (``python -m service`` with ``argv`` and this process's share of
     the devices), forward signals, wait; the exit code (0 after a clean stop)."""
-    from service.core.worker import resolve_devices
+    from service.core.devices import resolve_devices
 
     try:
         devices = [str(d) for d in resolve_devices(settings.device)]

@@ -4,13 +4,16 @@ HTTP server (uvicorn/FastAPI) and the gRPC server (grpc.aio), sharing the engine
 Start-up: configuration errors (devices, layers) stop the process with exit code 2 before any port
 is bound; then both servers answer while the workers warm (/healthz alive, /readyz 503 until warm).
 On SIGTERM/SIGINT: stop taking new work, report not-ready, finish what is held, then exit.
+
+Two patches over other libraries are installed here, each with its off switch: glibc's malloc tuned
+for big bodies (``service.allocator``, ``--no-tune-allocator``) and uvicorn's HTTP protocol reading
+big bodies once (``service.http.uvicorn_patch``, ``--no-patch-uvicorn``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import signal
 import socket
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from service import allocator
 from service.core import metrics
 from service.core.engine import Engine
 from service.http.uvicorn_patch import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
@@ -34,75 +38,6 @@ async def _serve_http(http: uvicorn.Server, sockets: list[socket.socket] | None 
     except SystemExit:
         return False
     return http.started
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its allocator decides
-        return None
-
-
-def reuse_freed_memory(max_body_bytes: int) -> bool:
-    """Let glibc keep freed blocks of up to ``max_body_bytes`` (at most 1 GiB) for reuse instead of
-    unmapping them; True when it did (False: not glibc, its allocator decides).
-
-    A request body is a fresh buffer. With glibc's defaults anything over 32 MiB is mmap'd when it
-    arrives and unmapped when the request ends, so every big request page-faults its whole body in
-    again: on the CPU box a 256 MiB upload was read at ~0.9 GB/s that way, at 1.4-2.6 GB/s with the
-    memory reused (2026-11-30; the first big request still faults it in). The cost: while requests
-    come, the RSS keeps the high-water mark of big bodies; ``trim_heap_when_idle`` gives it back.
-
-    Every thread allocates from the main arena (``M_ARENA_MAX`` 1). A thread's own arena grows in
-    heaps of at most 64 MiB, so anything bigger that a thread allocates (a bnhd answer made
-    contiguous by a worker, a JSON answer encoded off the loop) was mmap'd fresh each time whatever
-    the threshold: joining a 64 MiB answer into one buffer off the loop took 41 ms, 7-14 ms from
-    the main arena (CPU box, 2026-11-30). And ``malloc_trim`` empties it well: after a CPU soak the
-    idle RSS came back to within 4 MiB of its start, where one arena per thread kept 300-370 MiB.
-    Small allocations barely contend: glibc serves them from per-thread caches.
-    """
-    size = min(int(max_body_bytes), 1 << 30)
-    mallopt = getattr(_glibc(), "mallopt", None)
-    return bool(
-        mallopt
-        and mallopt(M_ARENA_MAX, 1)
-        and mallopt(M_MMAP_THRESHOLD, size)
-        and mallopt(M_TRIM_THRESHOLD, size)
-    )
-
-
-async def trim_heap_when_idle(engine: Engine, idle_s: float, bodies: BodyBuffers | None = None) -> None:
-    """Give freed heap back to the OS (glibc's ``malloc_trim``) once the engine has seen no request
-    come or go for ``idle_s`` (checked every ``idle_s``: trimmed within 2x of going idle).
-
-    ``reuse_freed_memory`` keeps the memory of big bodies for the next ones; under load that is the
-    point, but an idle server should not keep its peak: a 10-minute soak on the H200 host ended
-    with the RSS 848 MiB above its start (2026-11-30). The GPU workers' pinned staging buffers,
-    which torch caches, go back too (``Engine.release_cached_host_memory``): after another soak
-    the idle RSS was still 3.2 GiB above its start with only the heap trimmed.
-    A body still being uploaded is not seen: a trim then costs it page faults, not correctness.
-    """
-    malloc_trim = getattr(_glibc(), "malloc_trim", None)
-    if malloc_trim is None:
-        return
-
-    def release() -> None:
-        if bodies is not None:  # its free pinned body buffers, before torch's host cache is emptied
-            bodies.trim()
-        engine.release_cached_host_memory()
-        malloc_trim(0)
-
-    seen = trimmed = engine.activity
-    while True:
-        await asyncio.sleep(idle_s)
-        now = engine.activity
-        if now == seen and now != trimmed and engine.requests_held == 0:
-            await asyncio.to_thread(release)  # off the loop
-            trimmed = now
-        seen = now
 
 
 async def refresh_metrics(engine: Engine, every_s: float = 1.0) -> None:
@@ -136,12 +71,13 @@ async def serve(settings: Settings) -> int:
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    reusing = reuse_freed_memory(settings.max_body_bytes)
-    if not hand_over_request_bodies():
+    reusing = allocator.install(settings)
+    if reusing:
+        log.debug("glibc keeps freed blocks up to %d MiB for reuse",
+                  min(settings.max_body_bytes, allocator.MAX_KEPT_BYTES) >> 20)
+    if settings.patch_uvicorn and not hand_over_request_bodies():
         log.debug("uvicorn %s: request bodies are copied once more (written for %s)", uvicorn.__version__,
                   UVICORN_HANDING_OVER)
-    if reusing:
-        log.debug("glibc keeps freed blocks up to %d MiB for reuse", min(settings.max_body_bytes, 1 << 30) >> 20)
 
     engine = Engine(settings)
     try:
@@ -150,10 +86,16 @@ async def serve(settings: Settings) -> int:
         log.error("cannot start: %s", exc)
         return 2
     app = create_app(engine, settings)
-    bodies = BodyBuffers(engine.on_gpu, settings.pinned_body_bytes)
+    bodies = None
+    if settings.patch_uvicorn:
+        bodies = BodyBuffers(engine.on_gpu, settings.pinned_body_bytes)
+        protocol = http_protocol(settings.max_body_bytes, bodies)
+    else:
+        protocol = "httptools"  # uvicorn's own, as it is
+        log.info("uvicorn's own HTTP protocol (--no-patch-uvicorn): big bodies are copied on their way in")
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level.lower(),
-        http=http_protocol(settings.max_body_bytes, bodies),
+        http=protocol,
         lifespan="on", timeout_graceful_shutdown=30, timeout_keep_alive=settings.http_keep_alive_s,
         access_log=settings.access_log,
     )
@@ -182,7 +124,7 @@ async def serve(settings: Settings) -> int:
     refresh_task = asyncio.create_task(refresh_metrics(engine)) if metrics.MULTIPROCESS else None
     trim_task = None
     if reusing and settings.memory_trim_idle_s > 0:
-        trim_task = asyncio.create_task(trim_heap_when_idle(engine, settings.memory_trim_idle_s, bodies))
+        trim_task = asyncio.create_task(allocator.trim_heap_when_idle(engine, settings.memory_trim_idle_s, bodies))
 
     exit_code = 0
     pending = {stop_task, http_task, start_task}

@@ -125,6 +125,18 @@ class Settings(BaseSettings):
         description="after this many seconds without requests, hand the memory kept from big request "
         "bodies back to the OS (kept while requests come, for reuse: see --max-body-mb); 0 keeps it",
     )
+    tune_allocator: bool = Field(
+        True,
+        description="tune glibc's malloc for big request bodies (service/allocator.py): freed blocks up to "
+        "--max-body-mb (at most 1 GiB) are kept for reuse, every thread allocates from one arena, and the "
+        "heap is trimmed after --memory-trim-idle-s without requests; off: glibc's defaults, no trimming",
+    )
+    patch_uvicorn: bool = Field(
+        True,
+        description="read HTTP request bodies through service/http/uvicorn_patch.py: a big body goes from "
+        "the socket into one buffer and to the app without another copy (only on the uvicorn version the "
+        "patch was written for); off: uvicorn's own httptools protocol",
+    )
     gil_switch_interval_ms: float = Field(
         0.5, gt=0,
         description="Python's thread switch interval: the event loop and the worker threads hand the GIL "
@@ -143,7 +155,7 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         False,
         description="log one line per HTTP request (uvicorn's access log); off by default, like Triton "
-        "Inference Server's: a line costs the event loop ~0.04-0.07 ms per call, and /metrics counts "
+        "Inference Server's: each line costs the event loop time on every call, and /metrics counts "
         "requests by route and status",
     )
 

@@ -15,9 +15,9 @@ from prometheus_client import generate_latest
 
 import kernels
 from service import errors
+from service.core.devices import parse_shapes, resolve_devices
 from service.core.engine import Engine
 from service.core.types import AttentionRequest
-from service.core.worker import parse_shapes, resolve_devices
 from service.settings import load_settings
 
 
@@ -174,7 +174,7 @@ def test_resolve_devices_and_shapes():
         parse_shapes("1x8x128")
 
 
-@pytest.mark.skipif(not (ROOT / "service" / "http_app.py").exists(), reason="needs the HTTP app")
+@pytest.mark.skipif(not (ROOT / "service" / "http" / "app.py").exists(), reason="needs the HTTP app")
 def test_sigterm_drains_requests_in_flight(tmp_path):
     """A real server: SIGTERM with requests in flight; every accepted one is answered, then it exits."""
     import httpx
@@ -294,18 +294,18 @@ def test_gpu_request_tensors_in_pinned_memory_go_to_the_device_without_a_staging
     first, and the answer is the one the same tensors in ordinary memory get."""
     from safetensors.torch import save
 
-    from service.core import worker as worker_mod
+    from service.core import staging
     from service.http.uvicorn_patch import BodyBuffers
     from service.wire.tensors import parse_safetensors
 
     staged: list[int] = []
-    concat = worker_mod._concat
+    concat = staging.concat
 
     def counting_concat(parts, dtype, pin):
         staged.append(sum(p.nbytes for p in parts))
         return concat(parts, dtype, pin)
 
-    monkeypatch.setattr(worker_mod, "_concat", counting_concat)
+    monkeypatch.setattr(staging, "concat", counting_concat)
     q, k, v = qkv(b=2, hq=8, hkv=8, nq=1024, nk=1024, d=64, dtype=torch.float16, seed=3)  # 2 MiB each
     data = save({"q": q, "k": k, "v": v})
     body = pinned_body(BodyBuffers(pinned=True, budget=1 << 30), len(data))
@@ -404,7 +404,7 @@ def test_staging_concat_equals_torch_cat():
     """The worker's staging copy (one memmove per small contiguous part, ATen's copy otherwise)
     equals torch.cat, for a misaligned view of request bytes, a non-contiguous part, a part of
     another dtype (converted), an empty part and one over the memmove size; inputs stay as they were."""
-    from service.core.worker import SERIAL_COPY_MAX_BYTES, _concat
+    from service.core.staging import SERIAL_COPY_MAX_BYTES, concat
 
     g = torch.Generator().manual_seed(0)
     raw = bytearray(2 + 2 * 3 * 4 * 8)
@@ -421,7 +421,7 @@ def test_staging_concat_equals_torch_cat():
         torch.randn(big_rows, 4, 8, generator=g).half(),  # over the memmove limit
     ]
     before = [p.clone() for p in parts]
-    out = _concat(parts, torch.float16, pin=False)
+    out = concat(parts, torch.float16, pin=False)
     assert torch.equal(out, torch.cat([p.to(torch.float16) for p in before]))
     assert all(torch.equal(p, b) for p, b in zip(parts, before, strict=True))
 
@@ -436,9 +436,9 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers(monke
     for 3 graphs, the older shapes' graphs are dropped for the later ones; a request over
     --graph-max-kib never replays."""
     from kernels.reference import reference_attention
-    from service.core import worker
+    from service.core import graphs
 
-    monkeypatch.setattr(worker, "GRAPHS_PER_WORKER", 3)
+    monkeypatch.setattr(graphs, "GRAPHS_PER_WORKER", 3)
 
     cases = [  # (B, Hq, Hkv, Nq, Nk, D, dtype, options)
         (1, 8, 8, 128, 128, 64, torch.float16, {}),

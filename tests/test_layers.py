@@ -256,7 +256,9 @@ def test_on_cuda(tmp_path, dtype):
 def test_reads_only_the_asked_layer(tmp_path, monkeypatch):
     write_llama(tmp_path / "ckpt", num_layers=3, shards=2)
     read: list[str] = []
-    real_open = layers_mod.safe_open
+    from service.layers import checkpoint
+
+    real_open = checkpoint.safe_open
 
     class Recorder:
         def __init__(self, *a, **kw):
@@ -276,7 +278,7 @@ def test_reads_only_the_asked_layer(tmp_path, monkeypatch):
             read.append(name)
             return self.f.get_tensor(name)
 
-    monkeypatch.setattr(layers_mod, "safe_open", Recorder)
+    monkeypatch.setattr(checkpoint, "safe_open", Recorder)
     load_layer("l", tmp_path / "ckpt", 2)
     assert read and all(n.startswith("model.layers.2.self_attn.") for n in read), read
 

@@ -29,14 +29,14 @@ def test_devices_are_dealt_out():
 def test_default_is_one_process_per_gpu(monkeypatch):
     """--processes 0 (the default): one process per GPU of --device, one on the CPU; a number
     given is kept; a bad --device leaves one process, which then reports it."""
-    import service.core.worker as worker
+    import service.core.devices as devices
 
     assert load_settings([]).processes == 0
     assert process_count(load_settings(["--device", "cpu"])) == 1
     assert process_count(load_settings(["--device", "cpu", "--processes", "3"])) == 3
     assert process_count(load_settings(["--device", "tpu:0"])) == 1
     # two GPUs, as resolve_devices reports them on a 2-GPU host (none here)
-    monkeypatch.setattr(worker, "resolve_devices", lambda spec: [torch.device("cuda", 0), torch.device("cuda", 1)])
+    monkeypatch.setattr(devices, "resolve_devices", lambda spec: [torch.device("cuda", 0), torch.device("cuda", 1)])
     assert process_count(load_settings(["--device", "cuda"])) == 2
     assert process_count(load_settings(["--device", "cuda", "--processes", "1"])) == 1
 

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 
-from tests.conftest import FAST, run_server
+from tests.conftest import FAST, ROOT, run_server
 
 
 def test_broken_layer_stops_startup_with_a_clear_message(tmp_path):
@@ -53,28 +54,95 @@ def test_bad_option_values_are_a_usage_error(tmp_path):
         assert "--memory-fraction" in log and "Traceback" not in log
 
 
+def _big_safetensors_request() -> tuple[bytes, torch.Tensor, float]:
+    """A 48 MiB safetensors body (k and v: 24 MiB each in float32, drawn from a seeded generator),
+    its float64 answer, and the error budget of its float32 answer: 2x plain PyTorch's error in
+    float32 plus a hair (STYLE.md 11). Over 49152 keys, float32 sums are off by ~1e-6 whatever the
+    summation order: an exact-value check at allclose's default tolerance failed for about one in
+    200 unseeded draws."""
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 1, 64, generator=g)
+    k = torch.randn(1, 2, 49152, 64, generator=g)
+    v = torch.randn(1, 2, 49152, 64, generator=g)
+    ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8.0, dim=-1) @ v.double()
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    budget = 2 * (plain.double() - ref).abs().max().item() + 1e-6 * ref.abs().max().item()
+    return save({"q": q, "k": k, "v": v}), ref, budget
+
+
+def _post_twice(url: str, body: bytes, ref: torch.Tensor, budget: float) -> torch.Tensor:
+    """POST ``body`` to /attention twice: both answers equal, and within ``budget`` of ``ref``."""
+    from safetensors.torch import load
+
+    answers = []
+    for _ in range(2):
+        r = httpx.post(url + "/attention", content=body, timeout=120,
+                       headers={"content-type": "application/x-safetensors"})
+        assert r.status_code == 200, r.text
+        answers.append(load(r.content)["o"])
+    assert torch.equal(answers[0], answers[1])
+    err = (answers[0].double() - ref).abs().max().item()
+    assert err <= budget, f"max error {err:.3g} over budget {budget:.3g}"
+    return answers[0]
+
+
 def test_glibc_keeps_big_freed_blocks(tmp_path):
-    """The server asks glibc to reuse big freed blocks (request bodies) instead of unmapping them;
-    a 24 MiB body then goes through, twice, with the right answer."""
+    """The server asks glibc to reuse big freed blocks (request bodies) instead of unmapping them
+    (glibc takes the values: checked in a process of its own, so that this one's allocator is left
+    alone); a 48 MiB body then goes through, twice, with the right answer."""
     import platform
-
-    import torch
-    from safetensors.torch import load, save
-
-    from service.server import reuse_freed_memory
+    import subprocess
+    import sys
 
     if platform.libc_ver()[0] == "glibc":
-        assert reuse_freed_memory(64 << 20) is True
-    q = torch.randn(1, 2, 1, 64)
-    k = torch.randn(1, 2, 49152, 64)  # k and v: 24 MiB in float32
-    v = torch.full_like(k, 0.5)  # o = 0.5 whatever the weights
-    body = save({"q": q, "k": k, "v": v})
+        probe = subprocess.run(
+            [sys.executable, "-c", "from service.allocator import reuse_freed_memory as r; print(r(64 << 20))"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )
+        assert probe.stdout.strip() == "True", probe.stderr
+    body, ref, budget = _big_safetensors_request()
     with run_server(tmp_path) as srv:
-        for _ in range(2):
-            r = httpx.post(srv.url + "/attention", content=body, timeout=120,
-                           headers={"content-type": "application/x-safetensors"})
-            assert r.status_code == 200, r.text
-            assert torch.allclose(load(r.content)["o"], torch.full((1, 2, 1, 64), 0.5))
+        _post_twice(srv.url, body, ref, budget)
+
+
+def test_allocator_off_switch_leaves_glibc_alone(monkeypatch):
+    """--no-tune-allocator (or ATTNSERVE_TUNE_ALLOCATOR=0): mallopt is never called; on (the
+    default): the three parameters service/allocator.py names, with --max-body-mb's size."""
+    from service import allocator
+    from service.settings import load_settings
+
+    calls: list[tuple[int, int]] = []
+
+    class Glibc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(allocator, "_glibc", Glibc)
+    monkeypatch.delenv("ATTNSERVE_TUNE_ALLOCATOR", raising=False)
+    assert allocator.install(load_settings(["--no-tune-allocator"])) is False
+    monkeypatch.setenv("ATTNSERVE_TUNE_ALLOCATOR", "0")
+    assert allocator.install(load_settings([])) is False
+    assert calls == []
+    monkeypatch.delenv("ATTNSERVE_TUNE_ALLOCATOR")
+    assert allocator.install(load_settings(["--max-body-mb", "64"])) is True
+    size = 64 << 20
+    assert calls == [(allocator.M_ARENA_MAX, 1), (allocator.M_MMAP_THRESHOLD, size), (allocator.M_TRIM_THRESHOLD, size)]
+
+
+def test_big_body_answer_is_the_same_with_the_patches_off(tmp_path):
+    """A big safetensors POST through uvicorn's own protocol and glibc's own allocator
+    (--no-patch-uvicorn --no-tune-allocator) gets the very answer it gets through the patches."""
+    body, ref, budget = _big_safetensors_request()
+    answers = []
+    for flags in ((), ("--no-patch-uvicorn", "--no-tune-allocator")):
+        with run_server(tmp_path, *FAST, *flags) as srv:
+            answers.append(_post_twice(srv.url, body, ref, budget))
+            log = srv.log()
+        assert ("uvicorn's own HTTP protocol" in log) == bool(flags)
+    assert torch.equal(answers[0], answers[1])
 
 
 def test_idle_server_gives_big_freed_blocks_back(tmp_path):

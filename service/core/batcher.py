@@ -8,17 +8,16 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   so a lone request pays no batching delay. With several idle workers the batch is split evenly
   among them only when each share still holds about ``SHARE_MIN_S`` of device work (bytes to move,
   FLOPs to compute): a small batch stays whole, since a second launch costs more host time than
-  it saves (two H200s in one process: a 64-request batch of 1x8x128x64 split in two ran 0.78x the
-  rate of one GPU);
+  it saves (see docs/benchmarks/service.md#batching);
 - while every worker is busy, arrivals gather; a batch closes (and is staged on the least-loaded
   worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or
   ``max_batch_work_ms`` of estimated device work, or its oldest request has waited
   ``max_queue_delay_ms``;
 - a batch never grows past ``max_batch_work_ms`` (a request above it runs alone). API.md §9 caps
   batches by tokens only; but a request that already keeps the GPU busy for milliseconds gains
-  nothing from sharing a launch, and joining them serialises their staging behind one launch: on
-  the H200, four 1x32x8192x128 requests per launch ran the worker at 16-23% of the kernel's rate,
-  with no copy of one launch overlapping another's kernel; one per launch, 36-39%;
+  nothing from sharing a launch, and joining big requests serialises their staging behind one
+  launch, where one per launch lets one launch's copies overlap another's kernel
+  (see docs/benchmarks/service.md#batching);
 - keys are served oldest first, so one key cannot starve another;
 - a request that finds the server holding nothing else, ALONE_GAP_S or more after the previous
   arrival, may skip the queue: its worker answers it at once on the event loop when it has a CUDA
@@ -27,13 +26,19 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   would never form a batch.
 
 A batch step resolves exactly one future per request, fans an error out to exactly the requests
-it concerns, and checks the count of answers. The queue is bounded (``max_queue_size`` requests
-queued or running): beyond it ``submit`` refuses at once with ``QueueFull``.
+it concerns, and checks the count of answers. Each batch goes to ``Worker.submit``, which counts it
+in the worker's ``load`` until its answers are settled; the batcher only reads that load. The
+queue is bounded (``max_queue_size`` requests queued or running): beyond it ``submit`` refuses at
+once with ``QueueFull``.
 
 Deadlines: one heap of every waiting request's deadline and one timer armed at the earliest;
 when it fires, each request past its deadline gets ``DeadlineExceeded`` (a queued one is dropped
 from its queue; a launched one is answered now and its launch's outcome is ignored). This costs a
-heap push per request where an ``asyncio.timeout`` per request cost a timer and a context each.
+heap push per request, where an ``asyncio.timeout`` per request would cost a timer and a context
+each.
+
+The module stays whole (about 400 lines): the queue, the dispatch policy and the batch step share
+the per-key queues and counts, and read best as one story in the order a request meets them.
 """
 
 from __future__ import annotations
@@ -60,8 +65,8 @@ STAGED_PER_WORKER = 2  # one launch running + one batch closed and waiting behin
 
 # A request that arrives this soon after the previous one (or after the end of the previous one's
 # answer at once) may have company (a burst, a closed loop of callers): it is queued and may batch,
-# even on an idle server. Longer gaps (a lone caller's round trip through HTTP, ~0.8 ms on an
-# H200 host) let a worker answer it at once (``_answer_now``).
+# even on an idle server. Longer gaps (a lone caller's round trip through HTTP is several times
+# this) let a worker answer it at once (``_answer_now``).
 ALONE_GAP_S = 2.5e-4
 
 # Idle workers split a batch only when each share holds at least this much estimated device time,
@@ -75,8 +80,6 @@ class Pending:
     """A request waiting for its answer: exactly one of set_result/set_exception ever happens."""
 
     request: AttentionRequest | LayerRequest
-    key: Hashable  # requests of equal keys may share a launch
-    tokens: int  # query tokens, B·Nq (what --max-batch-tokens counts)
     memory: int  # device bytes a launch of this request alone needs
     io_bytes: int  # bytes it moves host -> device -> host (inputs and outputs)
     flops: float  # its compute, roughly (io_bytes and flops: whether splitting a batch pays)
@@ -86,6 +89,12 @@ class Pending:
     launched: bool = False
     released: bool = False  # no longer counted as held
     work: float = 0.0  # estimated device seconds (set by the batcher, which knows the device)
+    key: Hashable = field(init=False)  # the request's launch_key: requests of equal keys may share a launch
+    tokens: int = field(init=False)  # the request's query tokens (what --max-batch-tokens counts)
+
+    def __post_init__(self) -> None:
+        self.key = self.request.launch_key
+        self.tokens = self.request.tokens
 
     def resolve(self, outcome) -> None:
         if self.future.done():  # the caller gave up (deadline, disconnect): nothing to tell
@@ -165,9 +174,9 @@ class Batcher:
             if self._sweep_at is None or deadline < self._sweep_at:
                 self._arm_sweep(deadline)
         # The dispatcher runs on the next loop iteration, not here: the requests that arrive in
-        # this one (e.g. every submitter a finished batch answered) then close as one batch. On
-        # the two-GPU host, dispatching inline gave the first arrival to an idle worker alone:
-        # 7 requests per launch instead of 32, 0.48x the one-GPU rate instead of 1.27x.
+        # this one (e.g. every submitter a finished batch answered) then close as one batch;
+        # dispatched inline, the first arrival would go to an idle worker alone
+        # (see docs/benchmarks/service.md#batching).
         self._wake.set()
         try:
             return await pending.future
@@ -335,7 +344,7 @@ class Batcher:
 
     @staticmethod
     def _least_loaded(workers: list[Worker]) -> Worker:
-        return min(workers, key=lambda w: (w.inflight, w.inflight_tokens))
+        return min(workers, key=lambda w: w.load)
 
     def _take(self, key: Hashable, max_tokens: int | None = None) -> list[Pending]:
         """Pop the head of ``key``'s queue: up to ``max_tokens`` (default and at most
@@ -369,22 +378,19 @@ class Batcher:
 
     def _launch(self, worker: Worker, batch: list[Pending]) -> None:
         now = time.monotonic()
-        tokens = sum(p.tokens for p in batch)
         for p in batch:
             p.launched = True
             self.metrics.queue_duration_of[p.kind].observe(now - p.enqueued)
-        worker.inflight += 1
-        worker.inflight_tokens += tokens
-        try:  # the worker starts now; the task below only awaits its answers
+        try:  # the worker starts now (and counts the batch as its load); the task only awaits its answers
             answers = worker.submit([p.request for p in batch])
         except Exception as exc:  # noqa: BLE001 - e.g. a worker already shut down: this batch fails
             answers = asyncio.get_running_loop().create_future()
             answers.set_exception(exc)
-        task = asyncio.create_task(self._run_batch(worker, batch, tokens, answers))
+        task = asyncio.create_task(self._run_batch(worker, batch, answers))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run_batch(self, worker: Worker, batch: list[Pending], tokens: int, answers: asyncio.Future) -> None:
+    async def _run_batch(self, worker: Worker, batch: list[Pending], answers: asyncio.Future) -> None:
         """The batch step: exactly one answer per request, errors only to the requests they concern."""
         t0 = time.monotonic()
         try:
@@ -402,8 +408,6 @@ class Batcher:
             )
             outcomes = [error] * len(batch)
         finally:
-            worker.inflight -= 1
-            worker.inflight_tokens -= tokens
             self._latency_ema = 0.9 * self._latency_ema + 0.1 * (time.monotonic() - t0)
             self._wake.set()
         for p, outcome in zip(batch, outcomes, strict=True):

@@ -31,18 +31,12 @@ from typing import Any
 
 import kernels
 from service.core.batcher import Batcher, Pending
+from service.core.devices import attention_memory, layer_memory, parse_dtypes, parse_shapes, resolve_devices
 from service.core.metrics import Metrics
-from service.core.types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
-from service.core.worker import (
-    Worker,
-    attention_memory,
-    layer_memory,
-    parse_dtypes,
-    parse_shapes,
-    release_pinned_memory,
-    resolve_devices,
-)
-from service.errors import BadRequest, NotFound, PayloadTooLarge, ServiceError, Unavailable, from_kernel_error
+from service.core.staging import release_pinned_memory
+from service.core.types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
+from service.core.worker import Worker
+from service.errors import NotFound, PayloadTooLarge, ServiceError, Unavailable
 from service.sessions import SessionManager
 from service.settings import Settings
 
@@ -50,7 +44,7 @@ log = logging.getLogger("attnserve.engine")
 
 
 def _load_layers(settings: Settings) -> dict[str, Any]:
-    """The model layers of ``--layer`` (service/layers.py)."""
+    """The model layers of ``--layer`` (``service.layers``)."""
     if not settings.layer:
         return {}
     from service import layers
@@ -158,44 +152,17 @@ class Engine:
         """Answer one attention request: validated here, batched, run on the least-loaded worker."""
         try:
             self._check_accepting()
-            try:
-                spec = kernels.check_inputs(
-                    req.q, req.k, req.v, causal=req.causal, scale=req.scale, kv_lengths=req.kv_lengths
-                )
-            except kernels.AttentionInputError as exc:
-                raise from_kernel_error(exc) from None
-            if req.kernel not in kernels.KERNELS:  # a bad option value: 400, as API.md §7 says
-                raise BadRequest(
-                    f"unknown kernel {req.kernel!r}; choose one of {', '.join(kernels.KERNELS)}"
-                )
-            if req.layout not in LAYOUTS:
-                raise BadRequest(f"unknown layout {req.layout!r}; use 'bhnd' or 'bnhd'")
+            spec = req.spec  # the request checks itself, once (types.AttentionRequest.spec)
             memory = attention_memory(req, self.workers[0].device.type)
             self._check_memory(memory, "this attention request")
         except ServiceError as exc:
             self.metrics.failed("attention", exc.code)
             raise
         self._default_deadline(req)
-        # Requests that can share a launch: equal after layout normalisation. kv_lengths presence is
-        # part of the key (a padded launch differs from an unpadded one); layout and return_lse are not.
-        key = (
-            "attention",
-            spec.dtype,
-            spec.heads_q,
-            spec.heads_kv,
-            spec.n_q,
-            spec.n_k,
-            spec.head_dim,
-            spec.causal,
-            spec.scale,
-            req.kernel,
-            spec.has_kv_lengths,
-        )
         rows_q, rows_kv = spec.batch * spec.heads_q * spec.n_q, spec.batch * spec.heads_kv * spec.n_k
         io_bytes = req.q.element_size() * 2 * spec.head_dim * (rows_q + rows_kv) + 4 * rows_q  # q,k,v,o + lse
         flops = 4.0 * rows_q * spec.n_k * spec.head_dim * (0.5 if spec.causal else 1.0)
-        pending = Pending(req, key, tokens=spec.batch * spec.n_q, memory=memory, io_bytes=io_bytes, flops=flops,
-                          kind="attention")
+        pending = Pending(req, memory=memory, io_bytes=io_bytes, flops=flops, kind="attention")
         return await self._submit(pending)
 
     async def call_layer(self, req: LayerRequest) -> LayerResult:
@@ -213,18 +180,10 @@ class Engine:
             self.metrics.failed("layer", exc.code)
             raise
         self._default_deadline(req)
-        key = (
-            "layer",
-            req.layer,
-            n,
-            bool(req.causal),
-            req.positions is not None,
-            req.kv_lengths is not None,
-        )
         h = layer.info.hidden_size
         io_bytes = 2 * b * n * h * req.x.element_size()  # x in, y out
         flops = 8.0 * b * n * h * h + 4.0 * b * n * n * h  # q/k/v/o projections + attention
-        pending = Pending(req, key, tokens=b * n, memory=memory, io_bytes=io_bytes, flops=flops, kind="layer")
+        pending = Pending(req, memory=memory, io_bytes=io_bytes, flops=flops, kind="layer")
         return await self._submit(pending)
 
     @property

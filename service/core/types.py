@@ -2,6 +2,14 @@
 
 Tensors are host (CPU) torch tensors already decoded from the wire. Layout is normalised here, once:
 requests carry q/k/v as (B, H, N, D) views, and ``layout`` says how to return ``o``.
+
+An attention request checks itself, once, in one place (``AttentionRequest.spec``: shapes, dtypes,
+kv_lengths, kernel, layout), and carries the one key of the launches it can share
+(``launch_key``): the batcher groups requests by it, the CUDA-graph cache extends it with B. The
+engine reads ``spec`` on admission, after its own draining check, so that a draining server still
+answers 503 first and every refusal is counted in its metrics. A layer call's inputs depend on its
+layer (hidden size, window): ``service.layers.check_call`` checks them, and ``LayerRequest``
+carries its ``launch_key`` likewise.
 """
 
 from __future__ import annotations
@@ -10,10 +18,12 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
-from service.errors import BadRequest, InvalidInput
+import kernels
+from service.errors import BadRequest, InvalidInput, from_kernel_error
 
 LAYOUTS = ("bhnd", "bnhd")
 
@@ -52,14 +62,47 @@ class AttentionRequest:
     @classmethod
     def from_layout(cls, q, k, v, *, layout: str = "bhnd", **options) -> AttentionRequest:
         """Build from tensors in ``layout`` ("bhnd" or flash-attn's "bnhd" = (B, N, H, D))."""
-        if layout not in LAYOUTS:
-            raise BadRequest(f"unknown layout {layout!r}; use 'bhnd' (the default) or 'bnhd' (flash-attn's)")
+        _check_layout(layout)
         if layout == "bnhd":
             for name, t in (("q", q), ("k", k), ("v", v)):
                 if t.dim() != 4:
                     raise InvalidInput(f"{name} must have 4 dims [B, N, H, D] (layout bnhd), got {list(t.shape)}")
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, H, D) -> (B, H, N, D), a view
         return cls(q=q, k=k, v=v, layout=layout, **options)
+
+    @cached_property
+    def spec(self) -> kernels.AttnSpec:
+        """The checked problem (computed once): raises ``InvalidInput`` for shapes, dtypes or
+        kv_lengths the kernels refuse, ``BadRequest`` for an unknown kernel or layout."""
+        try:
+            spec = kernels.check_inputs(
+                self.q, self.k, self.v, causal=self.causal, scale=self.scale, kv_lengths=self.kv_lengths
+            )
+        except kernels.AttentionInputError as exc:
+            raise from_kernel_error(exc) from None
+        if self.kernel not in kernels.KERNELS:  # a bad option value: 400, as API.md §7 says
+            raise BadRequest(f"unknown kernel {self.kernel!r}; choose one of {', '.join(kernels.KERNELS)}")
+        _check_layout(self.layout)
+        return spec
+
+    @cached_property
+    def launch_key(self) -> tuple:
+        """Requests of equal keys can share a launch: equal after layout normalisation but for B.
+        kv_lengths presence is part of it (a padded launch differs from an unpadded one); layout
+        and return_lse are not (they only shape the answer)."""
+        s = self.spec
+        return ("attention", s.dtype, s.heads_q, s.heads_kv, s.n_q, s.n_k, s.head_dim, s.causal, s.scale,
+                self.kernel, s.has_kv_lengths)
+
+    @cached_property
+    def tokens(self) -> int:
+        """Query tokens, B·Nq (what --max-batch-tokens counts)."""
+        return self.spec.batch * self.spec.n_q
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise BadRequest(f"unknown layout {layout!r}; use 'bhnd' (the default) or 'bnhd' (flash-attn's)")
 
 
 @dataclass
@@ -84,6 +127,18 @@ class LayerRequest:
     request_id: str = field(default_factory=new_request_id)
     deadline: float | None = None
     arrived: float = field(default_factory=time.monotonic)
+
+    @cached_property
+    def launch_key(self) -> tuple:
+        """Calls of equal keys can share a launch: one layer, one N, the same options (read once
+        ``service.layers.check_call`` has passed the inputs)."""
+        return ("layer", self.layer, self.x.shape[1], bool(self.causal), self.positions is not None,
+                self.kv_lengths is not None)
+
+    @cached_property
+    def tokens(self) -> int:
+        """Tokens, B·N (what --max-batch-tokens counts)."""
+        return self.x.shape[0] * self.x.shape[1]
 
 
 @dataclass

@@ -3,6 +3,7 @@ tensors that view it, and the handler woken once per body.
 
 These reach into uvicorn's httptools protocol; they are installed only on the uvicorn version they
 were read from (``UVICORN_HANDING_OVER``), and on another uvicorn its own code runs as it is.
+Off switch: ``--no-patch-uvicorn`` (``ATTNSERVE_PATCH_UVICORN=0``): service/server.py installs none of it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ PINNED_MIN_BYTES = 1 << 20  # pinned body buffers come in powers of two from her
 
 
 def heap_buffer(n: int) -> bytearray:
-    """``n`` writable bytes from the heap, not zeroed (``server.reuse_freed_memory`` has glibc keep
+    """``n`` writable bytes from the heap, not zeroed (``allocator.reuse_freed_memory`` has glibc keep
     big freed blocks for the next body, so they come without page faults)."""
     return uninitialized_bytearray(n)
 

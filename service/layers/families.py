@@ -1,0 +1,195 @@
+"""The model families: which config.json belongs to which, the tensor names each reads for its
+attention block, their head counts, and the Llama family's rotary position embedding (RoPE).
+
+Families and the tensor names they read (a ``bert.``/``roberta.``/``model.``/``<model_type>.`` prefix
+is optional):
+    bert   encoder.layer.{i}.attention.self.{query,key,value}.{weight,bias}
+           encoder.layer.{i}.attention.output.dense.{weight,bias}
+    llama  layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias where present, as in Qwen2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kernels
+from service.layers.layer import LayerConfigError, LayerInfo, Weights
+
+# config.json model_type -> family. Each listed type has exactly the attention block computed here.
+FAMILY_OF = {
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "camembert", "electra"), "bert"),
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2"), "llama"),
+}
+# architectures[0] prefix -> model_type, for a config.json without model_type (longest prefixes first)
+ARCH_PREFIX = {"XLMRoberta": "xlm-roberta", "Roberta": "roberta", "Camembert": "camembert",
+               "Electra": "electra", "Bert": "bert", "Llama": "llama", "Mistral": "mistral",
+               "Mixtral": "mixtral", "Qwen2": "qwen2"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding of the Llama family, in HF's rotate-half convention (``apply_rotary_pos_emb``)."""
+
+    inv_freq: torch.Tensor  # float32 (head_dim // 2,): theta^(-2j/head_dim), after rope_scaling
+
+    def to(self, device: torch.device) -> Rope:
+        return Rope(self.inv_freq.to(device))
+
+    def apply(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """t: (B, H, N, D), positions: int64 (B, N) -> t rotated, in t's dtype (computed in float32)."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (B, N, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, N, D)
+        tf = t.to(torch.float32)
+        x1, x2 = tf.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)  # rotate_half
+        return (tf * emb.cos() + rotated * emb.sin()).to(t.dtype)
+
+
+
+def model_type_of(config: dict[str, Any], folder: Path, where: str) -> str:
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    if model_type is None and isinstance(archs, list):
+        model_type = next((t for a in archs for p, t in ARCH_PREFIX.items() if str(a).startswith(p)), None)
+    if model_type not in FAMILY_OF:
+        raise LayerConfigError(
+            f"{where}: unknown model family (model_type={config.get('model_type')!r}, "
+            f"architectures={archs!r}) in {folder / 'config.json'}; "
+            f"supported model types: {', '.join(FAMILY_OF)}"
+        )
+    return model_type
+
+
+def _positive(config: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = config.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise LayerConfigError(f"{where}: config.json {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _heads(config: dict[str, Any], where: str, *, llama: bool) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv_heads, head_dim) from config.json, checked for consistency."""
+    hidden = _positive(config, "hidden_size", where)
+    heads = _positive(config, "num_attention_heads", where)
+    kv_heads = _positive(config, "num_key_value_heads", where, heads) if llama else heads
+    if heads % kv_heads:
+        raise LayerConfigError(
+            f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    if llama and config.get("head_dim") is not None:
+        head_dim = _positive(config, "head_dim", where)
+    elif hidden % heads:
+        raise LayerConfigError(
+            f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}"
+        )
+    else:
+        head_dim = hidden // heads
+    if head_dim > kernels.MAX_HEAD_DIM:
+        raise LayerConfigError(f"{where}: head_dim={head_dim} is over the kernels' {kernels.MAX_HEAD_DIM}")
+    return hidden, heads, kv_heads, head_dim
+
+
+def load_bert(name, config, model_type, index, store, where):
+    pos_type = config.get("position_embedding_type") or "absolute"
+    if pos_type != "absolute":
+        raise LayerConfigError(
+            f"{where}: position_embedding_type={pos_type!r} changes the attention scores; "
+            "only 'absolute' (outside the attention block) is supported"
+        )
+    hidden, heads, _, head_dim = _heads(config, where, llama=False)
+    stem = f"encoder.layer.{index}.attention."
+    # a checkpoint with a head keeps the base model under its base_model_prefix: "bert.", "roberta."
+    # (RoBERTa, XLM-RoBERTa and CamemBERT alike), "electra."
+    prefix = store.prefix(stem + "self.query.weight", ("", "bert.", "roberta.", f"{model_type}.", "model."))
+    stem = prefix + stem
+    inner = heads * head_dim
+    names = {  # Weights field -> (tensor name, shape that config.json implies)
+        "q": (stem + "self.query.weight", (inner, hidden)), "q_bias": (stem + "self.query.bias", (inner,)),
+        "k": (stem + "self.key.weight", (inner, hidden)), "k_bias": (stem + "self.key.bias", (inner,)),
+        "v": (stem + "self.value.weight", (inner, hidden)), "v_bias": (stem + "self.value.bias", (inner,)),
+        "o": (stem + "output.dense.weight", (hidden, inner)),
+        "o_bias": (stem + "output.dense.bias", (hidden,)),
+    }
+    weights = Weights(**store.read(names, optional=()))
+    return LayerInfo(name, "bert", hidden, heads, heads, head_dim, weights.q.dtype), weights, None
+
+
+def load_llama(name, config, model_type, index, store, where):
+    hidden, heads, kv_heads, head_dim = _heads(config, where, llama=True)
+    rope = _rope(config, head_dim, where)
+    stem = f"layers.{index}.self_attn."
+    prefix = store.prefix(stem + "q_proj.weight", ("", "model.", f"{model_type}."))
+    stem = prefix + stem
+    if store.has(stem + "q_norm.weight") or store.has(stem + "k_norm.weight"):
+        raise LayerConfigError(f"{where}: {stem}q_norm/k_norm (Qwen3-style norms) are not supported")
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    names = {
+        "q": (stem + "q_proj.weight", (q_out, hidden)), "q_bias": (stem + "q_proj.bias", (q_out,)),
+        "k": (stem + "k_proj.weight", (kv_out, hidden)), "k_bias": (stem + "k_proj.bias", (kv_out,)),
+        "v": (stem + "v_proj.weight", (kv_out, hidden)), "v_bias": (stem + "v_proj.bias", (kv_out,)),
+        "o": (stem + "o_proj.weight", (hidden, q_out)), "o_bias": (stem + "o_proj.bias", (hidden,)),
+    }
+    weights = Weights(**store.read(names, optional=("q_bias", "k_bias", "v_bias", "o_bias")))
+    info = LayerInfo(name, "llama", hidden, heads, kv_heads, head_dim, weights.q.dtype)
+    return info, weights, rope
+
+
+def sliding_window(config: dict[str, Any], model_type: str, index: int) -> int | None:
+    """This layer's attention window as HF computes it, or None for full attention."""
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and index < len(layer_types):
+        active = layer_types[index] == "sliding_attention"
+    elif model_type == "qwen2":
+        active = bool(config.get("use_sliding_window")) and index >= int(config.get("max_window_layers") or 0)
+    else:
+        active = model_type in ("mistral", "mixtral")
+    return int(window) if active else None
+
+
+def _rope(config: dict[str, Any], head_dim: int, where: str) -> Rope:
+    """inv_freq of HF's plain RoPE, and of its "linear" and "llama3" rope_scaling types."""
+    params = config.get("rope_parameters")  # newer HF configs keep theta and the scaling together here
+    scaling = params if isinstance(params, dict) else config.get("rope_scaling")
+    theta = float((params or {}).get("rope_theta") or config.get("rope_theta") or 10000.0)
+    partial = config.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise LayerConfigError(f"{where}: partial_rotary_factor={partial} is not supported (only full RoPE)")
+    if head_dim % 2:
+        raise LayerConfigError(f"{where}: RoPE needs an even head_dim, got {head_dim}")
+    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise LayerConfigError(
+            f"{where}: rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    try:
+        if rope_type == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    except KeyError as exc:
+        raise LayerConfigError(f"{where}: rope_scaling of type {rope_type!r} lacks {exc.args[0]!r}") from None
+    return Rope(inv_freq.to(torch.float32))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth blend between."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
