@@ -508,8 +508,8 @@ def test_health_follows_warmup_and_drain(tmp_path):
                 stub.Attend(attend_msg(q, k, v), timeout=10)
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-            # else: the CPU warm-up (milliseconds) ended between the watch's answer and the call,
-            # as it did once in a fresh-clone run. The refusal itself is tested on the engine
+            # else: the CPU warm-up (milliseconds) can end between the watch's answer and the
+            # call. The refusal itself is tested on the engine
             # (test_engine.py); its status comes from Unavailable.grpc_code, the one mapping that
             # every error of this file goes through.
             assert next(watch).status == SERVING

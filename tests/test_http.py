@@ -389,7 +389,7 @@ ERRORS = [
         400,
         "bad_request",
     ),
-    (  # the string shape "1112" was once read as [1, 1, 1, 2] and answered 200
+    (  # the string shape "1112" must not be read as [1, 1, 1, 2]
         "safetensors shape not a list of integers",
         "application/x-safetensors",
         _st_raw({n: {"dtype": "F32", "shape": "1112", "data_offsets": [0, 8]} for n in "qkv"}, bytes(8)),
@@ -535,7 +535,7 @@ ERRORS = [
         422,
         "invalid_input",
     ),
-    (  # abs(-2**63) overflows: this once became int32 0 and answered 200
+    (  # abs(-2**63) overflows: this must not become int32 0
         "kv_lengths -2**63",
         "application/x-safetensors",
         _st(q=Q, k=K, v=V, kv_lengths=torch.tensor([-(2**63)], dtype=torch.int64)),
@@ -543,7 +543,7 @@ ERRORS = [
         422,
         "invalid_input",
     ),
-    (  # nested lists under "data" once reached reshape() and answered 500
+    (  # nested lists under "data" must not reach reshape() (a 500)
         "flat data holding nested lists",
         "application/json",
         orjson.dumps({"q": {"shape": [2], "data": [[1.0, 0.0], [0.0, 1.0]]}, "k": [1.0], "v": [1.0]}),
@@ -551,7 +551,7 @@ ERRORS = [
         400,
         "bad_request",
     ),
-    (  # once wrapped around to kv_lengths 0 and answered 200 with zeros
+    (  # must not wrap around to kv_lengths 0 (zeros answered 200)
         "int32 data out of range",
         "application/json",
         orjson.dumps(
@@ -562,7 +562,7 @@ ERRORS = [
         400,
         "bad_request",
     ),
-    (  # once truncated to 7
+    (  # must not be truncated to 7
         "kv_lengths with a fraction",
         "application/json",
         orjson.dumps({"q": Q.tolist(), "k": K.tolist(), "v": V.tolist(), "kv_lengths": [7.5]}),
@@ -738,7 +738,7 @@ def test_server_timing_header(http):
 def test_safetensors_answer_is_sent_from_the_tensors_own_memory():
     """An answer goes out as buffers (header, then each tensor's bytes, views of its memory):
     together they are exactly the safetensors file, empty tensors included; the views do not copy."""
-    from service.http import codec as wire
+    from service.wire import tensors as wire
 
     tensors = {
         "o": torch.randn(2, 3, 5, 8).to(torch.bfloat16),

@@ -22,7 +22,7 @@ import kernels
 from service.core.types import AttentionResult
 from service.errors import BadRequest, NotFound, from_kernel_error
 from service.http.app import create_app
-from service.http.codec import read_body
+from service.http.body import read_body
 from service.settings import Settings
 
 
@@ -162,7 +162,7 @@ def test_not_ready_and_internal_errors():
 
 def test_body_memory_follows_the_bytes_sent():
     """A body that claims a large Content-Length and sends 10 bytes holds about 10 bytes, not the
-    claimed size (it once preallocated the claim: idle connections could pin GiBs)."""
+    claimed size (preallocating the claim would let idle connections pin GiBs)."""
     claimed = 256 << 20
 
     async def receive():

@@ -1,6 +1,7 @@
 """Open Inference Protocol over gRPC, driven by Triton's own client (``tritonclient.grpc``, unchanged)
 against a real server: health, metadata, ModelInfer (FP16/BF16/FP32, parameters in each form, layer
-models), ModelStreamInfer, and error statuses.
+models), ModelStreamInfer, and error statuses; and the same calls over HTTP (``tritonclient.http``),
+which must give the same answers and the same errors (both transports share ``service.wire.oip``).
 
 This module must not import ``service.grpc.oip``: tritonclient registers the same ``inference.*``
 messages in protobuf's default descriptor pool.
@@ -16,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as tg
+import tritonclient.http as th
 from conftest import run_server
 from layer_fixtures import write_bert
 from test_grpc import FAST_WARMUP, assert_close_to_reference, make_qkv
 from tritonclient.utils import InferenceServerException
 
+from service import errors
 from service.layers import load_layer
 
 NP = {torch.float16: np.float16, torch.float32: np.float32, torch.bfloat16: ml_dtypes.bfloat16,
@@ -207,3 +210,133 @@ def test_concurrent_clients(server):
     for t in threads:
         t.join()
     assert not failures, failures
+
+
+# ---- both transports, one protocol: the same call over HTTP and gRPC gives the same answer or error ----
+
+# HTTP status -> the gRPC status of the same domain error (service.errors)
+GRPC_OF_HTTP = {str(cls.http_status): f"StatusCode.{cls.grpc_code}" for cls in
+                (errors.BadRequest, errors.InvalidInput, errors.NotFound, errors.PayloadTooLarge,
+                 errors.Unavailable, errors.DeadlineExceeded, errors.Unauthenticated)}
+
+
+@pytest.fixture(scope="module")
+def http_client(server):
+    c = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    yield c
+    c.close()
+
+
+def http_input(name: str, t: torch.Tensor) -> th.InferInput:
+    inp = th.InferInput(name, list(t.shape), OIP[t.dtype])
+    inp.set_data_from_numpy(to_numpy(t), binary_data=True)
+    return inp
+
+
+def both_ways(http_client, client, model, tensors, parameters=None, outputs=None):
+    """(HTTP's answer, gRPC's answer): output name -> tensor, or (status, message) of the error."""
+    answers = []
+    for c, make_input, requested in ((http_client, http_input, th.InferRequestedOutput),
+                                     (client, infer_input, tg.InferRequestedOutput)):
+        try:
+            result = c.infer(model, [make_input(n, t) for n, t in tensors.items()], parameters=parameters,
+                             outputs=None if outputs is None else [requested(o) for o in outputs],
+                             headers=dict(HEADERS))  # a copy: tritonclient.http adds its own to it
+        except InferenceServerException as exc:
+            answers.append((exc.status(), exc.message()))
+            continue
+        names = [o["name"] if isinstance(o, dict) else o.name for o in result.get_response(
+            **({"as_json": True} if c is client else {}))["outputs"]]
+        answers.append({n: to_torch(result.as_numpy(n)) for n in names})
+    return answers
+
+
+PARAMETERS = [  # (why, parameters, HTTP status or None for an answer): JSON over HTTP, typed over gRPC
+    ("typed", {"causal": True, "scale": 0.25, "return_lse": True, "kernel": "reference"}, None),
+    ("strings", {"causal": "true", "scale": "0.25", "return_lse": "True", "kernel": "auto"}, None),
+    ("ints", {"causal": 1, "scale": 1, "return_lse": 0}, None),  # int64_param / JSON integers
+    ("unknown ignored", {"causal": False, "some_unknown": "x"}, None),
+    ("bad kernel", {"kernel": "nope"}, "400"),
+    ("kernel not here", {"kernel": "flash"}, "422"),  # Triton, on a CPU server without TRITON_INTERPRET
+    ("bad boolean", {"causal": "maybe"}, "400"),
+    ("boolean 2", {"return_lse": 2}, "400"),
+    ("boolean scale", {"scale": True}, "400"),
+    ("infinite scale", {"scale": "inf"}, "400"),
+    ("text scale", {"scale": "a quarter"}, "400"),
+]
+
+
+@pytest.mark.parametrize("parameters,status", [p[1:] for p in PARAMETERS], ids=[p[0] for p in PARAMETERS])
+def test_both_transports_agree_on_parameters(http_client, client, parameters, status):
+    q, k, v = make_qkv((1, 2, 2, 9, 12, 16), torch.float32, seed=4)
+    kv_lengths = torch.tensor([10], dtype=torch.int32)
+    via_http, via_grpc = both_ways(http_client, client, "attention",
+                                   {"q": q, "k": k, "v": v, "kv_lengths": kv_lengths}, parameters)
+    if status is None:
+        assert isinstance(via_http, dict) and isinstance(via_grpc, dict), (via_http, via_grpc)
+        assert via_http.keys() == via_grpc.keys()
+        assert all(torch.equal(via_http[n], via_grpc[n]) for n in via_http), parameters
+        return
+    assert isinstance(via_http, tuple) and isinstance(via_grpc, tuple), (via_http, via_grpc)
+    (http_status, http_message), (grpc_status, grpc_message) = via_http, via_grpc
+    assert http_status == status, via_http
+    assert GRPC_OF_HTTP[http_status] == grpc_status and http_message == grpc_message, (via_http, via_grpc)
+
+
+def test_both_transports_agree_on_answers(http_client, client):
+    """causal, scale, return_lse and kernel change the answer alike over both transports."""
+    q, k, v = make_qkv((1, 2, 2, 9, 12, 16), torch.float32, seed=5)
+    kv_lengths = torch.tensor([10], dtype=torch.int32)
+    tensors = {"q": q, "k": k, "v": v, "kv_lengths": kv_lengths}
+    params = {"causal": True, "scale": 0.25, "return_lse": True, "kernel": "reference"}
+    via_http, via_grpc = both_ways(http_client, client, "attention", tensors, params)
+    assert list(via_http) == list(via_grpc) == ["o", "lse"]
+    assert_close_to_reference(via_grpc["o"], q, k, v, causal=True, scale=0.25, kv_lengths=kv_lengths,
+                              lse=via_grpc["lse"])
+    plain, _ = both_ways(http_client, client, "attention", tensors, {"kernel": "reference"})
+    assert list(plain) == ["o"] and not torch.equal(plain["o"], via_http["o"])  # the parameters took effect
+
+
+CALL_ERRORS = [  # (why, model, which inputs (name -> shape of a float32 tensor), outputs asked for)
+    ("unknown output", "attention", {"q": (1, 1, 4, 16), "k": (1, 1, 4, 16), "v": (1, 1, 4, 16)}, ["attn"]),
+    ("missing input", "attention", {"q": (1, 1, 4, 16), "k": (1, 1, 4, 16)}, None),
+    ("unknown input", "attention", {n: (1, 1, 4, 16) for n in ("q", "k", "v", "w")}, None),
+    ("not 4-D", "attention", {n: (1, 4, 16) for n in ("q", "k", "v")}, None),
+    ("head dim over 256", "attention", {n: (1, 1, 4, 300) for n in ("q", "k", "v")}, None),
+    ("unknown model", "nope", {"x": (1, 2, 40)}, None),
+    ("layer output", "bert0", {"x": (1, 2, 40)}, ["o"]),
+    ("layer width", "bert0", {"x": (1, 2, 3)}, None),
+]
+
+
+@pytest.mark.parametrize("model,shapes,outputs", [c[1:] for c in CALL_ERRORS], ids=[c[0] for c in CALL_ERRORS])
+def test_both_transports_agree_on_errors(http_client, client, model, shapes, outputs):
+    tensors = {n: torch.randn(shape) for n, shape in shapes.items()}
+    via_http, via_grpc = both_ways(http_client, client, model, tensors, outputs=outputs)
+    assert isinstance(via_http, tuple) and isinstance(via_grpc, tuple), (via_http, via_grpc)
+    assert GRPC_OF_HTTP[via_http[0]] == via_grpc[0] and via_http[1] == via_grpc[1], (via_http, via_grpc)
+
+
+def test_server_version_is_the_package_version(http_client, client):
+    from importlib import metadata
+
+    version = metadata.version("attnserve")
+    assert client.get_server_metadata(headers=HEADERS).version == version
+    assert http_client.get_server_metadata(headers=HEADERS)["version"] == version
+
+
+@pytest.mark.parametrize("parameters", [
+    {"causal": True, "scale": 0.5, "return_lse": True, "kernel": "reference"},  # bool_param / JSON
+    {"causal": "true", "scale": "0.5", "return_lse": "1", "kernel": "reference"},  # string_param
+    {"causal": 1, "scale": 0.5, "return_lse": 1, "kernel": "reference", "other": object()},  # int64_param
+], ids=["typed", "strings", "ints"])
+def test_one_request_from_each_form(parameters):
+    """``wire.oip.build_call`` (what both transports call) reads each form of a parameter alike."""
+    from service.wire import oip
+
+    q = torch.randn(1, 2, 3, 8)
+    call = oip.build_call(oip.ATTENTION_MODEL, {"q": q, "k": q, "v": q}, parameters, None,
+                          request_id="r", deadline=None)
+    req = call.request
+    assert (req.causal, req.scale, req.return_lse, req.kernel, call.outputs) == \
+        (True, 0.5, True, "reference", ("o", "lse"))

@@ -216,7 +216,7 @@ ERRORS = [
         422,
     ),
     ("unknown model", "nope", {"inputs": []}, None, 404),
-    (  # once silently ignored (Triton refuses an unexpected input)
+    (  # refused, not ignored (as Triton refuses an unexpected input)
         "unknown input",
         "attention",
         {"inputs": [{"name": n, "shape": [1, 1, 1, 1], "datatype": "FP32", "data": [1.0]} for n in "qkvx"]},
@@ -230,7 +230,7 @@ ERRORS = [
         None,
         400,
     ),
-    (  # 2**40 once wrapped around to INT32 0 and answered 200 with zeros
+    (  # 2**40 must not wrap around to INT32 0 (zeros answered 200)
         "INT32 data out of range",
         "attention",
         {

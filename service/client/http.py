@@ -42,8 +42,8 @@ class AttentionServiceError(Exception):
 
 def _parts(tensors: dict[str, torch.Tensor | None]) -> list[memoryview]:
     """Tensors -> a safetensors file as buffers: its header, then each tensor's bytes as a view of
-    its own memory (sent in turn, never joined; ``attention(x, x, x)`` sends x's bytes three times).
-    safetensors' own ``save`` took ~200 ms to build a 192 MiB body on the CPU box."""
+    its own memory (sent in turn, never joined; ``attention(x, x, x)`` sends x's bytes three times),
+    where safetensors' own ``save`` would build the whole body in one new buffer first."""
     return safetensors_parts({name: t for name, t in tensors.items() if t is not None})
 
 
@@ -53,8 +53,8 @@ def _read_body(r: urllib3.BaseHTTPResponse) -> bytearray:
 
     Read through http.client's response under urllib3's: urllib3's ``readinto`` reads into a new
     ``bytes`` and copies that, and http.client's ``read(n)`` does the same once more, each a fresh
-    buffer to fault in. H200 host, 2026-11-30: a 1x32x8192x128 bf16 call (64 MiB back) took 199.5
-    ms through this client that way, 97.2 ms from a bare socket. The server never compresses."""
+    buffer to fault in (what that costs a large answer: docs/benchmarks/service.md#http-transport).
+    The server never compresses."""
     length = r.headers.get("content-length")
     if length is None:
         return bytearray(r.read())
@@ -78,9 +78,9 @@ def _bool(value: bool) -> str:
 class AttentionClient(SessionsMixin):
     """A synchronous client (urllib3, connection pooling); safe to share between threads.
 
-    urllib3 rather than httpx: on a 256 MiB safetensors call httpx took 3.3-4.1 s where urllib3
-    and http.client took 0.35-0.4 s against the same server (loopback, 2026-11-30); small calls
-    cost about the same with either. POSTs are never retried (a retried call costs the GPU twice).
+    urllib3 rather than httpx: httpx is many times slower on large safetensors calls and no faster
+    on small ones (docs/benchmarks/service.md#http-transport). POSTs are never retried (a retried
+    call costs the GPU twice).
     """
 
     def __init__(

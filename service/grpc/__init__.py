@@ -1,3 +1,3 @@
-"""The gRPC transport: the servicers and their error interceptor (``server``), protobuf <-> internal
-requests (``codec``), the Open Inference Protocol's gRPC framing (``oip``) and the stubs generated
-from ``proto/`` (``protogen``)."""
+"""The gRPC transport: the servicers and their interceptor (``server``), the one error mapping
+(``errors``), protobuf <-> internal requests (``codec``), the Open Inference Protocol's gRPC framing
+(``oip``) and the stubs generated from ``proto/`` (``protogen``)."""

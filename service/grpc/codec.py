@@ -1,5 +1,5 @@
 """Shared gRPC plumbing: attention.v1 messages <-> internal requests/results and torch tensors (both
-directions, for ``grpc_server`` and ``grpc_client``), call deadlines, and concurrent calls on one stream
+directions, for ``server`` and ``service.client.grpc``), call deadlines, and concurrent calls on one stream
 (``AttendStream``, ``ModelStreamInfer``). Wire conversion only: every check of shapes, dtypes and
 options beyond decoding belongs to the engine and the kernels.
 """
@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
 
-from service.core.types import LAYOUTS, AttentionRequest, AttentionResult, LayerRequest, LayerResult
+from service.core.types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
 from service.errors import BadRequest, InvalidInput
 from service.grpc.protogen import attention_stubs
 from service.wire import tensors
+from service.wire.options import parse_options
+from service.wire.tensors import check_dims, kv_lengths_int32
 
 pb = attention_stubs().attention_pb2
 
@@ -55,19 +57,16 @@ def dtype_to_pb(dtype: torch.dtype | str) -> int:
 # ---- server side: request message -> internal request; internal result -> response message ----
 
 def attention_request(msg, *, deadline: float | None, request_id: str | None = None) -> AttentionRequest:
-    """attention.v1.AttendRequest -> AttentionRequest (q/k/v views in bhnd)."""
+    """attention.v1.AttendRequest -> AttentionRequest (q/k/v views in bhnd); layout and kernel are
+    parsed as the HTTP routes parse them (``service.wire.options``)."""
     q, k, v = (tensor_from_pb(msg, name) for name in ("q", "k", "v"))
-    layout = msg.layout or "bhnd"
-    if layout not in LAYOUTS:
-        raise BadRequest(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
-    if layout == "bnhd" and any(t.dim() != 4 for t in (q, k, v)):  # from_layout transposes dims 1, 2
-        raise InvalidInput(f"q, k, v must have 4 dims [B, N, H, D], got {list(q.shape)}, {list(k.shape)}, "
-                           f"{list(v.shape)}")
-    options = {"request_id": msg.request_id or request_id} if (msg.request_id or request_id) else {}
+    opts = parse_options({"layout": msg.layout or "bhnd", "kernel": msg.kernel or "auto"})
+    check_dims({"q": q, "k": k, "v": v}, ("q", "k", "v"), 4, opts["layout"])
+    ids = {"request_id": msg.request_id or request_id} if (msg.request_id or request_id) else {}
     return AttentionRequest.from_layout(
-        q, k, v, layout=layout, causal=msg.causal, scale=msg.scale if msg.HasField("scale") else None,
-        return_lse=msg.return_lse, kv_lengths=tensor_from_pb(msg, "kv_lengths", required=False),
-        kernel=msg.kernel or "auto", deadline=deadline, **options,
+        q, k, v, causal=msg.causal, scale=msg.scale if msg.HasField("scale") else None,
+        return_lse=msg.return_lse, kv_lengths=kv_lengths_int32(tensor_from_pb(msg, "kv_lengths", required=False)),
+        deadline=deadline, **opts, **ids,
     )
 
 
@@ -82,7 +81,8 @@ def layer_request(msg, *, deadline: float | None) -> LayerRequest:
     return LayerRequest(
         layer=msg.layer, x=tensor_from_pb(msg, "x"), causal=msg.causal,
         positions=tensor_from_pb(msg, "positions", required=False),
-        kv_lengths=tensor_from_pb(msg, "kv_lengths", required=False), deadline=deadline, **options,
+        kv_lengths=kv_lengths_int32(tensor_from_pb(msg, "kv_lengths", required=False)), deadline=deadline,
+        **options,
     )
 
 

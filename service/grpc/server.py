@@ -1,82 +1,50 @@
 """The gRPC front end: attention.v1.AttentionService, the Open Inference Protocol's
-inference.GRPCInferenceService (``grpc_oip``), grpc.health.v1.Health and server reflection, on one
+inference.GRPCInferenceService (``oip``), grpc.health.v1.Health and server reflection, on one
 ``grpc.aio`` server in the service's event loop, sharing the engine with the HTTP server.
 
-Handlers only convert messages <-> internal requests (``grpc_codec``) and await the engine. Every
-status code is set in one place, ``ServiceInterceptor``: it checks the API key (``authorization:
-Bearer KEY`` metadata) and turns ``service.errors.ServiceError`` into the status of API.md §7. One
-function, ``error_status``, maps an exception to what the caller is told: the interceptor sends it as
-the call's status, and ``AttendStream`` sends it in-band (``AttendResponse.error``) for a call that
-failed, so that one bad call does not end a stream that carries many.
+Handlers only convert messages <-> internal requests (``codec``) and await the engine. Every status
+code is set in one place, ``ServiceInterceptor``: around every rpc but reflection's, it checks the
+API key (``authorization: Bearer KEY`` metadata; not for health probes) and ends a call that raised
+with ``errors.error_status``'s status (API.md §7). ``AttendStream`` and ``ModelStreamInfer`` send
+that same status in-band for a call that failed, so that one bad call does not end a stream that
+carries many.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from dataclasses import dataclass
+import contextlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.auth import check_api_key
-from service.errors import BadRequest, ServiceError
+from service.errors import BadRequest, NotFound
 from service.grpc import codec, oip
 from service.grpc.codec import offload, result_bytes
+from service.grpc.errors import abort, error_status
 from service.grpc.protogen import attention_stubs
 from service.grpc.sessions import SessionServicer
 from service.settings import Settings
 from service.wire.tensors import ServerTiming
-
-log = logging.getLogger("attnserve.grpc")
 
 stubs = attention_stubs()
 pb, pb_grpc = stubs.attention_pb2, stubs.attention_pb2_grpc
 
 ATTENTION_SERVICE = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 # Reachable without an API key: health probes (as /healthz, /readyz, /v2/health/*) and reflection.
-KEY_EXEMPT_SERVICES = frozenset({
-    health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection",
-})
+REFLECTION_SERVICES = frozenset({reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
+KEY_EXEMPT_SERVICES = REFLECTION_SERVICES | {health.SERVICE_NAME}
 KEY_EXEMPT_METHODS = frozenset(oip.HEALTH_METHODS)
 STREAM_WINDOW = oip.STREAM_WINDOW  # calls one stream may have in flight (then flow control)
 MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's own ceiling for a message-size option
 
 
-# ---- one place for status codes ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ErrorStatus:
-    """What a caller is told about a failed call: gRPC status, service code, message, retry hint."""
-
-    status: grpc.StatusCode
-    code: str  # the service's stable code (service.errors), e.g. "invalid_input"
-    message: str
-    retry_after_s: float | None = None
-
-
-def error_status(exc: Exception) -> ErrorStatus:
-    """The one mapping of an exception to its status (API.md §7); never leaks a stack trace.
-    ``ServiceError`` carries its own; anything else is a bug: logged, and INTERNAL."""
-    if isinstance(exc, ServiceError):
-        return ErrorStatus(grpc.StatusCode[exc.grpc_code], exc.code, exc.message, exc.retry_after_s)
-    log.error("unexpected error in a gRPC handler", exc_info=exc)
-    return ErrorStatus(grpc.StatusCode.INTERNAL, "internal",
-                       f"internal error ({type(exc).__name__}); see the server log")
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """End the call with ``exc``'s status; trailers ``attnserve-error-code`` and ``retry-after``."""
-    err = error_status(exc)
-    trailers = [("attnserve-error-code", err.code)]
-    if err.retry_after_s is not None:
-        trailers.append(("retry-after", f"{err.retry_after_s:g}"))
-    await context.abort(err.status, err.message, trailing_metadata=tuple(trailers))
-
+# ---- status codes: service.grpc.errors, applied by the interceptor -------------------------
 
 def call_error(exc: Exception):
-    """``exc`` as an in-band attention.v1.CallError (AttendStream): what ``_abort`` would have sent."""
+    """``exc`` as an in-band attention.v1.CallError (AttendStream): what ``abort`` would have sent."""
     err = error_status(exc)
     return pb.CallError(status=err.status.name, code=err.code, message=err.message,
                         retry_after_s=err.retry_after_s)
@@ -149,31 +117,39 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         return True
 
     def _check_key(self, details: grpc.HandlerCallDetails) -> None:
-        if not self.settings.api_key or details.method in KEY_EXEMPT_METHODS:
+        service = details.method.rpartition("/")[0].lstrip("/")  # "/pkg.Service/Method"
+        if not self.settings.api_key or details.method in KEY_EXEMPT_METHODS or service in KEY_EXEMPT_SERVICES:
             return
         metadata = {key: value for key, value in (details.invocation_metadata or ())}
         check_api_key(self.settings, metadata.get("authorization"), metadata.get("x-api-key"))
+
+    @contextlib.asynccontextmanager
+    async def _answering(self, details: grpc.HandlerCallDetails, context):
+        """Around one call: counted while it runs, its API key checked, and whatever it raises
+        ended as its status (``errors.abort``); cancellation and an abort already made pass."""
+        self._started(context)
+        try:
+            self._check_key(details)
+            yield
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await abort(context, exc)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None:
             return None  # unknown method: grpc answers UNIMPLEMENTED
-        if details.method.rpartition("/")[0].lstrip("/") in KEY_EXEMPT_SERVICES:  # "/pkg.Service/Method"
-            return handler
-        check, started = self._check_key, self._started
+        if details.method.rpartition("/")[0].lstrip("/") in REFLECTION_SERVICES:  # "/pkg.Service/Method"
+            return handler  # grpc's own servicer, answering its own errors
+        answering = self._answering
 
         if handler.unary_unary is not None:
             behavior = handler.unary_unary
 
             async def unary(request, context):
-                started(context)
-                try:
-                    check(details)
+                async with answering(details, context):
                     return await behavior(_parsed(request), context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(unary, _lenient(handler.request_deserializer),
                                                        handler.response_serializer)
@@ -181,15 +157,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             behavior = handler.stream_stream
 
             async def bidi(request_iterator, context):
-                started(context)
-                try:
-                    check(details)
+                async with answering(details, context):
                     async for response in behavior(_parsed_stream(request_iterator), context):
                         yield response
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await _abort(context, exc)
 
             return grpc.stream_stream_rpc_method_handler(bidi, _lenient(handler.request_deserializer),
                                                          handler.response_serializer)
@@ -278,7 +248,7 @@ class EngineHealth(health_pb2_grpc.HealthServicer):
     async def Check(self, request, context):
         status = self.status(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise NotFound(f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, context):
@@ -300,7 +270,7 @@ class EngineHealth(health_pb2_grpc.HealthServicer):
 # After the last RPC ended, how long the server keeps its connections open before it closes them.
 # An RPC "ends" once its status is handed to the transport. Closing a socket while the client's
 # acknowledgements of that answer are still unread resets the connection, and the client then
-# loses the answer's tail. A drained 4 MiB answer was lost that way once in ~10 test runs.
+# loses the answer's tail; a large answer at drain is the one exposed to that.
 ANSWER_LINGER_S = 0.25
 
 

@@ -7,7 +7,8 @@
     DELETE /sessions/{id}            -> 204
     GET    /sessions                 {"count", "kv_bytes_used", "kv_bytes_capacity", "sessions"}
 
-Bodies, tensors, options and answers go through ``service.http.codec`` as for /attention: options
+Bodies, tensors, options and answers go through ``service.http.codec`` / ``body`` as for /attention
+(option values through ``service.wire.options``): options
 as query parameters (they win), safetensors metadata or JSON fields; an unknown option is a 400.
 Errors are raised as ``ServiceError``s and answered by the app's one handler.
 """
@@ -23,10 +24,13 @@ import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.errors import BadRequest
+from service.errors import BadRequest, UnsupportedMediaType
+from service.http import body as http_body
 from service.http import codec
+from service.http.json_tensors import json_tensor
 from service.sessions import SessionStep
 from service.settings import Settings
+from service.wire.options import parse_bool, parse_options
 from service.wire.tensors import ServerTiming
 
 STEP_TENSORS = ("q", "k", "v")
@@ -45,11 +49,11 @@ def _parse_layer(value: Any) -> int:
 
 def step_options(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Raw option values (query strings, metadata strings, JSON values) -> SessionStep keywords."""
-    out = codec.attention_options({k: v for k, v in raw.items() if k in ("causal", "scale", "layout", "return_lse")})
+    out = parse_options({k: v for k, v in raw.items() if k in ("causal", "scale", "layout", "return_lse")})
     if "layer" in raw:
         out["layer"] = _parse_layer(raw["layer"])
     if "end" in raw:
-        out["end"] = codec.parse_bool("end", raw["end"])
+        out["end"] = parse_bool("end", raw["end"])
     return out
 
 
@@ -88,7 +92,7 @@ def decode_packed(body: bytearray, mtype: str, query: Mapping[str, str], **ids: 
             body_opts["sessions"] = sessions
         raw = codec.merge_options(PACKED_OPTIONS, body_opts, dict(query))
         if isinstance(lengths, dict):
-            lengths = codec.json_tensor(lengths, "q_lengths", torch.int64)[0]
+            lengths = json_tensor(lengths, "q_lengths", torch.int64)[0]
     else:
         tensors, raw, encoding = codec.decode_tensors(body, mtype, (*STEP_TENSORS, "q_lengths"), PACKED_OPTIONS,
                                                       query)
@@ -117,38 +121,38 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         arrived = time.monotonic()
         ids = {
             "request_id": request.state.request_id,
-            "deadline": codec.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived),
+            "deadline": http_body.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived),
             "arrived": arrived,
         }
-        mtype = codec.media_type(request)
+        mtype = http_body.media_type(request)
         if mtype not in (codec.SAFETENSORS, codec.JSON):
-            raise codec.UnsupportedMediaType(
+            raise UnsupportedMediaType(
                 f"unsupported Content-Type {mtype or '(none)'!r}; send {codec.SAFETENSORS} or {codec.JSON}"
             )
         if mtype == codec.SAFETENSORS:
-            body = await codec.read_body(request, limit)
+            body = await http_body.read_body(request, limit)
         else:
-            body = await codec.read_body(request, json_limit, "--max-json-mb")
+            body = await http_body.read_body(request, json_limit, "--max-json-mb")
         return body, mtype, ids
 
     async def answer(request: Request, decode, *args) -> Response:
         timing = ServerTiming()
         body, mtype, ids = await read(request)
         timing.mark("read")
-        big = codec.worth_offloading(len(body), len(body) if mtype == codec.JSON else 0)
-        step, encoding = await codec.offload(big, lambda: decode(*args, body, mtype, request.query_params, **ids))
+        big = http_body.worth_offloading(len(body), len(body) if mtype == codec.JSON else 0)
+        step, encoding = await http_body.offload(big, lambda: decode(*args, body, mtype, request.query_params, **ids))
         timing.mark("decode")
         result = await engine.sessions.step(step)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await codec.encode_answer(tensors, encoding, big)
         timing.mark("encode")
-        return codec.respond(content, media, {"Server-Timing": timing.value()})
+        return http_body.respond(content, media, {"Server-Timing": timing.value()})
 
     @router.post("/sessions", status_code=201, summary="create a session (its KV cache is kept on the server)")
     async def create_session(request: Request) -> Response:
-        if codec.media_type(request) != codec.JSON:
-            raise codec.UnsupportedMediaType(f"send the session's description as {codec.JSON}")
-        doc = codec.parse_json(await codec.read_body(request, json_limit, "--max-json-mb"))
+        if http_body.media_type(request) != codec.JSON:
+            raise UnsupportedMediaType(f"send the session's description as {codec.JSON}")
+        doc = codec.parse_json(await http_body.read_body(request, json_limit, "--max-json-mb"))
         if not isinstance(doc, dict):
             raise BadRequest('the body must be an object such as {"num_kv_heads": 8, "head_dim": 128}')
         unknown = set(doc) - set(CREATE_FIELDS)

@@ -37,7 +37,7 @@ class BodyBuffers:
     """Where direct reads put request bodies: page-locked memory for GPU workers, else the heap.
 
     A body in pinned memory goes to the GPU from where it lies: the worker skips its copy into a
-    pinned staging buffer (4.1 ms per 192 MiB on the H200 host, a quarter of a big request's launch).
+    pinned staging buffer (a large share of a big request's launch: docs/benchmarks/service.md#http-transport).
     Pinning memory is slow (``cudaHostAlloc`` locks every page) and must not stall the event loop, so
     buffers are kept here for reuse, in power-of-two sizes, and made in a thread: a body that finds
     no free buffer of its size reads into the heap, and one of that size is made for the next.
@@ -116,9 +116,9 @@ def hand_over_request_bodies() -> bool:
 
     Its httptools cycle collects a body into a bytearray and answers ``receive()`` with
     ``bytes(self.body)``: one more copy of every byte, on the event loop. Handing the bytearray
-    over (and starting a new one) read a 256 MiB body in 85-91 ms instead of 109-237 ms (CPU box,
-    2026-11-30). The receive below is uvicorn's own but for that line, so it is installed only on
-    the uvicorn version it was read from; on another, bodies are copied as before.
+    over (and starting a new one) saves that copy (docs/benchmarks/service.md#http-transport). The
+    receive below is uvicorn's own but for that line, so it is installed only on the uvicorn version
+    it was read from; on another, bodies are copied as uvicorn copies them.
     """
     from uvicorn.protocols.http import httptools_impl as impl
 
@@ -154,14 +154,12 @@ def http_protocol(gather_bytes: int, allocate: Callable[[int], Body] | None = No
     uvicorn's own ("httptools").
 
     uvicorn sets the app's receive event for every piece the socket gives (256 KiB at most, often
-    less) and stops reading past 64 KiB until the app has taken it: a 192 MiB body came as 640-770
+    less) and stops reading past 64 KiB until the app has taken it: a big body comes as hundreds of
     pieces, each a wake-up of the handler and one more copy of the piece into its buffer. Gathered,
     the handler wakes once and takes the whole body as it is (``hand_over_request_bodies``: no
     copy). Reading on without the app holds no more memory than before: the handler keeps every
-    byte of a body anyway, up to ``--max-body-mb``, which is what ``gather_bytes`` is. CPU box,
-    2026-11-30, server and client each pinned to one core, medians of 14 calls of 192 MiB: the
-    server's read phase 55-58 ms instead of 66-67 (and 134 in one run); a bare uvicorn app 54-56
-    instead of 61-78.
+    byte of a body anyway, up to ``--max-body-mb``, which is what ``gather_bytes`` is. What it
+    saves in the read phase: docs/benchmarks/service.md#http-transport.
 
     Direct reads: each piece of a body still costs three copies on the way (the socket's into a
     new ``bytes``, httptools' ``on_body`` into another, that one into the gathered buffer). A body

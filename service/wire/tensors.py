@@ -1,5 +1,6 @@
 """Tensor <-> bytes conversions shared by every transport: dtype names of the native API, of the
-Open Inference Protocol, and raw little-endian row-major buffers. No transport logic here.
+Open Inference Protocol, and raw little-endian row-major buffers; safetensors files; shape checks.
+No transport logic here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import torch
 
-from service.errors import BadRequest, PayloadTooLarge
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge
 
 if TYPE_CHECKING:
     from service.core.types import Stamps
@@ -95,7 +96,7 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, shape: list[int], dt
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     view = memoryview(data)
-    if not view.readonly:  # request bodies (bytearray): no warning to silence (~5 us per tensor)
+    if not view.readonly:  # request bodies (bytearray): no warning to silence
         return torch.frombuffer(view, dtype=dtype).view(shape)
     with warnings.catch_warnings():  # read-only request bytes: the kernels never write inputs
         warnings.simplefilter("ignore", UserWarning)
@@ -171,7 +172,7 @@ def uninitialized_bytearray(n: int) -> bytearray:
     return _new_bytearray(None, n)
 
 
-# ---------------------------------------------------------------- safetensors files
+# ---------------------------------------------------------------- shapes and safetensors files
 
 
 def check_shape(shape: Any, name: str) -> list[int]:
@@ -183,6 +184,23 @@ def check_shape(shape: Any, name: str) -> list[int]:
     ):
         raise BadRequest(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative integers")
     return shape
+
+
+def check_dims(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...], ndim: int, layout: str) -> None:
+    """Each of ``names`` has ``ndim`` dims (422 otherwise), before a layout transpose needs them."""
+    for n in names:
+        if tensors[n].dim() != ndim:
+            dims = "[B, N, H, D]" if layout == "bnhd" else "[B, H, N, D]"
+            raise InvalidInput(f"{n} must have {ndim} dims {dims}, got shape {list(tensors[n].shape)}")
+
+
+def kv_lengths_int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """kv_lengths arrive int32 or int64; the request carries int32 (the kernels check the range)."""
+    if t is None or t.dtype != torch.int64 or t.numel() == 0:
+        return t
+    if int(t.min()) < -(2**31) or int(t.max()) >= 2**31:  # not t.abs(): abs(-2**63) overflows
+        return t
+    return t.to(torch.int32)
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:

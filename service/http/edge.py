@@ -1,0 +1,91 @@
+"""What wraps every HTTP request before a route sees it: the API key (except health probes), the
+``X-Request-Id`` echo (generated when absent), per-route Prometheus metrics, and a last-resort 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.auth import check_api_key
+from service.errors import ServiceError
+from service.http.errors import internal_error_response, service_error_response
+from service.settings import Settings
+
+log = logging.getLogger("attnserve.http")
+
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class HttpMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "attnserve_http_requests",
+            "HTTP requests by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "attnserve_http_request_duration_seconds",
+            "HTTP request time, body read to last byte sent",
+            ["route"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+
+
+class EdgeMiddleware:
+    """Pure ASGI middleware around every HTTP request: API key (except health probes), the
+    ``X-Request-Id`` echo (generated when absent), per-route metrics, and a last-resort 500."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, metrics: HttpMetrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k in (b"x-request-id", b"authorization", b"x-api-key")
+        }
+        rid = headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        status = 500
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", rid.encode("latin-1"))],
+                }
+            await send(message)
+
+        path = scope["path"]
+        try:
+            if path not in PUBLIC_PATHS:
+                check_api_key(self.settings, headers.get("authorization"), headers.get("x-api-key"))
+            await self.app(scope, receive, send_with_id)
+        except ServiceError as exc:  # the API key check (route errors are answered by the handlers)
+            if not started:
+                await service_error_response(path, exc)(scope, receive, send_with_id)
+        except Exception:  # a bug: log it here, tell the client nothing about it
+            log.exception("unhandled error on %s %s", scope["method"], path)
+            if not started:
+                await internal_error_response(path)(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(label, scope["method"], str(status)).inc()
+            self.metrics.duration.labels(label).observe(time.perf_counter() - start)

@@ -1,0 +1,263 @@
+"""The OpenAPI document (``GET /docs``, ``/openapi.json``): the body schemas FastAPI cannot infer
+from routes that read their bodies themselves (safetensors, JSON tensors, the Open Inference
+Protocol's JSON and binary framing), the query options, headers and error answers of each route.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+import kernels
+from service.core.types import LAYOUTS
+from service.wire.tensors import DTYPES, OIP_DTYPES
+
+
+def error_schema(v2: bool = False) -> dict:
+    ref = "#/components/schemas/OIPError" if v2 else "#/components/schemas/Error"
+    return {"content": {"application/json": {"schema": {"$ref": ref}}}}
+
+
+SCHEMAS: dict[str, Any] = {
+    "NestedList": {
+        "description": "a tensor as nested lists of numbers (row-major)",
+        "type": "array",
+        "maxItems": 64,
+        "items": {"anyOf": [{"type": "number"}, {"$ref": "#/components/schemas/NestedList"}]},
+    },
+    "TensorObject": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["shape", "data"],
+        "properties": {
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 8},
+            "dtype": {"type": "string", "enum": list(DTYPES)},
+            "data": {
+                "anyOf": [
+                    {"type": "array", "items": {"type": "number"}},
+                    {"type": "string", "description": "base64 of little-endian row-major bytes"},
+                ]
+            },
+        },
+    },
+    "Tensor": {
+        "anyOf": [{"$ref": "#/components/schemas/NestedList"}, {"$ref": "#/components/schemas/TensorObject"}]
+    },
+    "AttentionJSON": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["q", "k", "v"],
+        "properties": {
+            "q": {"$ref": "#/components/schemas/Tensor"},
+            "k": {"$ref": "#/components/schemas/Tensor"},
+            "v": {"$ref": "#/components/schemas/Tensor"},
+            "kv_lengths": {"$ref": "#/components/schemas/Tensor"},
+            "causal": {"type": "boolean"},
+            "scale": {"type": "number"},
+            "layout": {"type": "string", "enum": list(LAYOUTS)},
+            "return_lse": {"type": "boolean"},
+            "kernel": {"type": "string", "enum": list(kernels.KERNELS)},
+        },
+    },
+    "AttentionJSONResult": {
+        "type": "object",
+        "required": ["o"],
+        "properties": {
+            "o": {"$ref": "#/components/schemas/Tensor"},
+            "lse": {"$ref": "#/components/schemas/Tensor"},
+        },
+    },
+    "LayerJSON": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["x"],
+        "properties": {
+            "x": {"$ref": "#/components/schemas/Tensor"},
+            "positions": {"$ref": "#/components/schemas/Tensor"},
+            "kv_lengths": {"$ref": "#/components/schemas/Tensor"},
+            "causal": {"type": "boolean"},
+        },
+    },
+    "LayerJSONResult": {
+        "type": "object",
+        "required": ["y"],
+        "properties": {"y": {"$ref": "#/components/schemas/Tensor"}},
+    },
+    "LayerInfo": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "family": {"type": "string"},
+            "hidden_size": {"type": "integer"},
+            "num_heads": {"type": "integer"},
+            "num_kv_heads": {"type": "integer"},
+            "head_dim": {"type": "integer"},
+            "dtype": {"type": "string"},
+        },
+    },
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["code", "message"],
+                "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+            }
+        },
+    },
+    "OIPError": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+    "OIPTensor": {
+        "type": "object",
+        "required": ["name", "shape", "datatype"],
+        "properties": {
+            "name": {"type": "string"},
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 8},
+            "datatype": {"type": "string", "enum": list(OIP_DTYPES)},
+            "parameters": {"type": "object"},
+            "data": {"$ref": "#/components/schemas/NestedList"},
+        },
+    },
+    "OIPInferRequest": {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string"},
+            "parameters": {"type": "object"},
+            "inputs": {"type": "array", "items": {"$ref": "#/components/schemas/OIPTensor"}, "maxItems": 8},
+            "outputs": {
+                "type": "array",
+                "maxItems": 4,
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}, "parameters": {"type": "object"}},
+                },
+            },
+        },
+    },
+    "OIPInferResponse": {
+        "type": "object",
+        "required": ["model_name", "outputs"],
+        "properties": {
+            "model_name": {"type": "string"},
+            "model_version": {"type": "string"},
+            "id": {"type": "string"},
+            "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/OIPTensor"}},
+        },
+    },
+}
+
+ERRORS = {
+    str(s): {"description": d, **error_schema()}
+    for s, d in (
+        (400, "malformed body, missing tensor, unknown or bad option"),
+        (401, "API key missing or wrong"),
+        (413, "body over --max-body-mb"),
+        (415, "unknown Content-Type"),
+        (422, "shapes or dtypes inconsistent, head dim > 256"),
+        (429, "queue full; see Retry-After"),
+        (503, "not ready or draining"),
+        (504, "X-Request-Timeout-Ms deadline passed"),
+    )
+}
+
+_BOOL_Q = {"type": "boolean"}
+HEADERS = [
+    {
+        "name": "X-Request-Timeout-Ms",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "number", "minimum": 0},
+        "description": "deadline of this request (default --request-timeout-ms)",
+    },
+    {
+        "name": "X-Request-Id",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "echoed in the response",
+    },
+]
+
+
+def _body(json_schema: str, result_schema: str, options: list[dict]) -> dict:
+    return {
+        "parameters": [*options, *HEADERS],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{json_schema}"}},
+                "application/x-safetensors": {"schema": {"type": "string", "format": "binary"}},
+            },
+        },
+        "responses": {
+            "200": {
+                "description": "the result, in the encoding the request came in",
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{result_schema}"}},
+                    "application/x-safetensors": {"schema": {"type": "string", "format": "binary"}},
+                },
+            },
+            **ERRORS,
+        },
+    }
+
+
+ATTENTION_OPENAPI = _body(
+    "AttentionJSON",
+    "AttentionJSONResult",
+    [
+        {"name": "causal", "in": "query", "schema": _BOOL_Q},
+        {"name": "scale", "in": "query", "schema": {"type": "number"}},
+        {"name": "layout", "in": "query", "schema": {"type": "string", "enum": list(LAYOUTS)}},
+        {"name": "return_lse", "in": "query", "schema": _BOOL_Q},
+        {"name": "kernel", "in": "query", "schema": {"type": "string", "enum": list(kernels.KERNELS)}},
+    ],
+)
+LAYER_OPENAPI = _body("LayerJSON", "LayerJSONResult", [{"name": "causal", "in": "query", "schema": _BOOL_Q}])
+
+
+OIP_INFER_OPENAPI = {
+    "parameters": [
+        {
+            "name": "Inference-Header-Content-Length",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 0},
+            "description": "binary tensor data extension: length of the JSON part",
+        }
+    ],
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/OIPInferRequest"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    "responses": {
+        "200": {
+            "description": "outputs (JSON, or JSON + binary tensor data)",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/OIPInferResponse"}}},
+        },
+        **{
+            str(s): {"description": "error", **error_schema(v2=True)}
+            for s in (400, 401, 404, 413, 422, 429, 503, 504)
+        },
+    },
+}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """The app's schema: FastAPI's from the routes, with SCHEMAS added; built on first use."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(SCHEMAS)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

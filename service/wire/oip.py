@@ -1,0 +1,262 @@
+"""The Open Inference Protocol (KServe v2, API.md §6) apart from its framing, for both transports.
+
+Each transport decodes its own framing (HTTP: JSON and the binary tensor data extension; gRPC:
+protobuf with ``raw_input_contents``) into a model name, named input tensors, parameters (name ->
+the Python value its wire gave: JSON bools/numbers/strings, or ``bool_param``/``int64_param``/
+``double_param``/``string_param``) and the names of the outputs asked for. Everything else is here,
+once: the server's and the models' metadata, which inputs and parameters a model takes, the
+internal request built from them, the choice of attention or layer, which outputs are sent, and
+every message of a refused call.
+
+Models: ``attention`` (inputs q, k, v FP16/BF16/FP32 [B, H, N, D], optional kv_lengths INT32 [B];
+parameters causal, scale, return_lse, kernel; outputs o and, when asked, lse) and one model per
+loaded layer (input x [B, N, hidden], optional positions INT64 [B, N] and kv_lengths; parameter
+causal; output y). Unknown parameters are ignored, as in the protocol; an unknown input or output
+is refused, as Triton refuses one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from service import __version__
+from service.core.types import AttentionRequest, LayerRequest, new_request_id
+from service.errors import BadRequest, NotFound
+from service.wire.options import parse_options
+from service.wire.tensors import (
+    OIP_DTYPES,
+    OIP_NAMES,
+    aligned,
+    check_dims,
+    check_shape,
+    dtype_from_name,
+    kv_lengths_int32,
+    tensor_from_bytes,
+)
+
+SERVER_NAME = "attnserve"
+ATTENTION = "attention"
+VERSION = "1"  # every model has this one version
+ANY = -1  # a dimension of any size
+MAX_ID = 128  # characters of a request's "id" kept (as X-Request-Id: it reaches logs and messages)
+NOT_READY = "not ready: warming up or draining"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model's interface: its metadata, and what ``build_call`` accepts for it."""
+
+    name: str
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    parameters: Mapping[str, str]  # name -> its type, as metadata shows it
+
+    @property
+    def is_attention(self) -> bool:
+        return self.name == ATTENTION
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)
+
+    def metadata(self) -> dict[str, Any]:
+        """``GET /v2/models/{m}`` / ModelMetadata (gRPC has no ``parameters`` field: it drops them)."""
+
+        def tensors(specs: tuple[TensorSpec, ...]) -> list[dict]:
+            return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in specs]
+
+        return {"name": self.name, "versions": [VERSION], "platform": self.platform,
+                "inputs": tensors(self.inputs), "outputs": tensors(self.outputs),
+                "parameters": dict(self.parameters)}  # fmt: skip
+
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration (``GET /v2/models/{m}/config``, read by perf_analyzer)."""
+
+        def tensors(specs: tuple[TensorSpec, ...]) -> list[dict]:
+            return [{"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": list(t.shape),
+                     "optional": t.optional} for t in specs]  # fmt: skip
+
+        return {"name": self.name, "platform": self.platform, "max_batch_size": 0,
+                "input": tensors(self.inputs), "output": tensors(self.outputs)}  # fmt: skip
+
+
+# q/k/v/o take FP16, BF16 or FP32 alike (o follows q); metadata lists FP16
+ATTENTION_MODEL = Model(
+    name=ATTENTION,
+    platform=SERVER_NAME,
+    inputs=(
+        *(TensorSpec(n, "FP16", (ANY,) * 4) for n in ("q", "k", "v")),
+        TensorSpec("kv_lengths", "INT32", (ANY,), optional=True),
+    ),
+    outputs=(TensorSpec("o", "FP16", (ANY,) * 4), TensorSpec("lse", "FP32", (ANY,) * 3)),
+    parameters={
+        "causal": "bool",
+        "scale": "float",
+        "return_lse": "bool",
+        "kernel": "string",
+        "datatypes": "q, k, v: FP16, BF16 or FP32 (o follows q)",
+    },
+)
+ATTENTION_PARAMETERS = ("causal", "scale", "return_lse", "kernel")
+LAYER_PARAMETERS = ("causal",)
+
+
+def layer_model(info: Any) -> Model:
+    """The model of a loaded layer (``engine.layer_infos()``'s entry)."""
+    dt = OIP_NAMES.get(info.dtype, "FP32")
+    return Model(
+        name=info.name,
+        platform=f"{SERVER_NAME}-{info.family}",
+        inputs=(
+            TensorSpec("x", dt, (ANY, ANY, info.hidden_size)),
+            TensorSpec("positions", "INT64", (ANY, ANY), optional=True),
+            TensorSpec("kv_lengths", "INT32", (ANY,), optional=True),
+        ),
+        outputs=(TensorSpec("y", dt, (ANY, ANY, info.hidden_size)),),
+        parameters={"causal": "bool"},
+    )
+
+
+def server_metadata(extensions: Sequence[str]) -> dict[str, Any]:
+    """``GET /v2`` / ServerMetadata; ``extensions``: those of the transport's framing."""
+    return {"name": SERVER_NAME, "version": __version__, "extensions": list(extensions)}
+
+
+def model_names(engine: Any) -> list[str]:
+    return [ATTENTION, *(i.name for i in engine.layer_infos())]
+
+
+def find_model(engine: Any, name: str, version: str = "") -> Model:
+    """The model ``name`` (at ``version``: "" or VERSION); NotFound names the ones there are."""
+    if name == ATTENTION:
+        model = ATTENTION_MODEL
+    else:
+        info = next((i for i in engine.layer_infos() if i.name == name), None)
+        if info is None:
+            raise NotFound(f"unknown model {name!r}; the models are {', '.join(model_names(engine))}")
+        model = layer_model(info)
+    if version not in ("", VERSION):
+        raise NotFound(f"model {name!r} has no version {version!r}; the only one is {VERSION!r}")
+    return model
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def check_input_name(model: Model, name: Any, seen: Mapping[str, Any]) -> str:
+    """An input's name, before its tensor is decoded: one of the model's, and not given twice."""
+    if not isinstance(name, str) or not name:
+        raise BadRequest('each input needs a "name", a "shape" and a "datatype"')
+    if name in seen:
+        raise BadRequest(f"input {name!r}: given twice")
+    if name not in model.input_names:
+        raise BadRequest(f"input {name!r}: unknown; the inputs of {model.name!r} are {', '.join(model.input_names)}")
+    return name
+
+
+def input_dtype(name: str, datatype: Any) -> torch.dtype:
+    if not isinstance(datatype, str):
+        raise BadRequest(f"input {name!r}: datatype must be one of {', '.join(OIP_DTYPES)}")
+    return dtype_from_name(datatype, OIP_DTYPES)
+
+
+def input_shape(name: str, shape: Any) -> list[int]:
+    return check_shape(shape, f"input {name!r}")
+
+
+def raw_tensor(name: str, datatype: Any, shape: Any, data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """An input sent as raw little-endian row-major bytes (HTTP binary data, gRPC raw contents)."""
+    dtype, dims = input_dtype(name, datatype), input_shape(name, shape)
+    return aligned(tensor_from_bytes(data, dims, dtype, f"input {name!r}"))
+
+
+# ---------------------------------------------------------------- the call
+
+
+@dataclass
+class Call:
+    """An infer request, decoded: the internal request and the outputs to send, in order."""
+
+    model: Model
+    request: AttentionRequest | LayerRequest
+    outputs: tuple[str, ...]
+
+
+def call_id(oip_id: Any, fallback: str | None = None) -> str:
+    """The request's id: its protocol ``id`` (cut to MAX_ID characters), else ``fallback``, else new."""
+    if isinstance(oip_id, str) and oip_id:
+        return oip_id[:MAX_ID]
+    return fallback or new_request_id()
+
+
+def select_outputs(model: Model, requested: Sequence[str] | None, return_lse: bool) -> tuple[str, ...]:
+    """The outputs asked for, in their order (once each); none asked: o (and lse with return_lse), or y."""
+    if requested is None or len(requested) == 0:
+        if model.is_attention:
+            return ("o", "lse") if return_lse else ("o",)
+        return model.output_names
+    for name in requested:
+        if name not in model.output_names:
+            raise BadRequest(f"unknown output {name!r}; the outputs of {model.name!r} are "
+                             f"{', '.join(model.output_names)}")  # fmt: skip
+    return tuple(dict.fromkeys(requested))
+
+
+def build_call(
+    model: Model,
+    tensors: Mapping[str, torch.Tensor],
+    parameters: Mapping[str, Any],
+    requested: Sequence[str] | None,
+    *,
+    request_id: str,
+    deadline: float | None,
+    arrived: float | None = None,
+) -> Call:
+    """(model, named inputs, parameters, outputs asked for) -> the internal request and its outputs."""
+    missing = [t.name for t in model.inputs if not t.optional and t.name not in tensors]
+    if missing:
+        raise BadRequest(f"missing input{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+    known = ATTENTION_PARAMETERS if model.is_attention else LAYER_PARAMETERS
+    opts = parse_options({k: v for k, v in parameters.items() if k in known}, "parameter")
+    outputs = select_outputs(model, requested, opts.get("return_lse", False))
+    arrived = time.monotonic() if arrived is None else arrived
+    kv_lengths = kv_lengths_int32(tensors.get("kv_lengths"))
+    if not model.is_attention:
+        request = LayerRequest(layer=model.name, x=tensors["x"], causal=opts.get("causal", False),
+                               positions=tensors.get("positions"), kv_lengths=kv_lengths,
+                               request_id=request_id, deadline=deadline, arrived=arrived)  # fmt: skip
+        return Call(model, request, outputs)
+    opts["return_lse"] = "lse" in outputs
+    check_dims(tensors, ("q", "k", "v"), 4, "bhnd")
+    request = AttentionRequest(q=tensors["q"], k=tensors["k"], v=tensors["v"], kv_lengths=kv_lengths,
+                               request_id=request_id, deadline=deadline, arrived=arrived, **opts)  # fmt: skip
+    return Call(model, request, outputs)
+
+
+async def infer(engine: Any, call: Call) -> dict[str, torch.Tensor]:
+    """Run ``call`` on the engine: output name -> tensor, for the outputs it sends."""
+    if isinstance(call.request, AttentionRequest):
+        res = await engine.attend(call.request)
+        values = {"o": res.o, "lse": res.lse}
+    else:
+        res = await engine.call_layer(call.request)
+        values = {"y": res.y}
+    return {name: values[name] for name in call.outputs}

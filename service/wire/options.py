@@ -1,0 +1,74 @@
+"""Option values, as a transport decoded them, -> the fields of the internal request (API.md §1).
+
+One parser per option, shared by the native HTTP routes (query strings, safetensors metadata
+strings, JSON values) and the Open Inference Protocol (JSON parameters over HTTP; ``bool_param``,
+``int64_param``, ``double_param`` and ``string_param`` over gRPC): each option is accepted in every
+form it can arrive in, and refused with the same message whichever transport carried it. ``what``
+names the thing in that message: "option" (native API) or "parameter" (OIP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kernels
+from service.core.types import LAYOUTS
+from service.errors import BadRequest
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def parse_bool(name: str, value: Any, what: str = "option") -> bool:
+    """A JSON/protobuf bool, the integers 0 and 1, or a string such as "true", "False", "0"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        if value.strip().lower() in _TRUE:
+            return True
+        if value.strip().lower() in _FALSE:
+            return False
+    raise BadRequest(f"{what} {name!r} must be a boolean (true/false), got {value!r}")
+
+
+def parse_scale(name: str, value: Any, what: str = "option") -> float | None:
+    """A finite number or a numeric string; None or "" is the default (1/sqrt(D))."""
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    if isinstance(value, bool):
+        raise BadRequest(f"{what} {name!r} must be a number, got {value!r}")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"{what} {name!r} must be a number, got {value!r}") from None
+    if not math.isfinite(scale):
+        raise BadRequest(f"{what} {name!r} must be finite, got {value!r}")
+    return scale
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any, str], str]:
+    def parse(name: str, value: Any, what: str = "option") -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise BadRequest(f"{what} {name!r} must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    return parse
+
+
+PARSERS: dict[str, Callable[[str, Any, str], Any]] = {
+    "causal": parse_bool,
+    "return_lse": parse_bool,
+    "scale": parse_scale,
+    "layout": _choice(LAYOUTS),
+    "kernel": _choice(kernels.KERNELS),
+}
+
+
+def parse_options(raw: Mapping[str, Any], what: str = "option") -> dict[str, Any]:
+    """name -> raw value => name -> the request's value, for the names of ``PARSERS`` (which names
+    a call may carry, and what an unknown one means, is the caller's to say)."""
+    return {name: PARSERS[name](name, value, what) for name, value in raw.items()}
