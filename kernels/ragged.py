@@ -386,7 +386,11 @@ def reference_ragged(q: torch.Tensor, q_lens: Sequence[int], keys: Callable[[int
     for s, n_q in enumerate(q_lens):
         if n_q:
             k_s, v_s = keys(s)
-            o_s, lse_s = sequence_attention(q[q0:q0 + n_q], k_s, v_s, causal=causal, scale=scale)
+            # a fresh copy: the CPU's matmuls round by the operand's address (an 8-byte-aligned q gives
+            # other bits than a 64-byte-aligned one), so a row's answer must not depend on where it
+            # lies in the packed q, or in the request's buffer
+            q_s = q[q0:q0 + n_q].clone(memory_format=torch.contiguous_format)
+            o_s, lse_s = sequence_attention(q_s, k_s, v_s, causal=causal, scale=scale)
             o[q0:q0 + n_q], lse[:, q0:q0 + n_q] = o_s, lse_s
         q0 += n_q
     return o, lse

@@ -19,7 +19,6 @@ from service.http.oip import create_router
 from service.http.openapi import install_openapi
 from service.http.ops import add_ops_routes
 from service.http.routes import add_native_routes
-from service.http.sessions import create_router as create_sessions_router
 from service.settings import Settings
 
 
@@ -33,7 +32,8 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     add_ops_routes(app, engine, metrics)
     app.include_router(create_router(engine, settings))
     if hasattr(engine, "sessions"):  # API.md §10 (an engine stand-in without sessions serves none)
-        app.include_router(create_sessions_router(engine, settings))
+        from service.http.sessions import create_router as create_sessions_router
 
+        app.include_router(create_sessions_router(engine, settings))
     install_openapi(app)
     return app

@@ -7,7 +7,8 @@
     DELETE /sessions/{id}            -> 204
     GET    /sessions                 {"count", "kv_bytes_used", "kv_bytes_capacity", "sessions"}
 
-Bodies, tensors, options and answers go through ``service.http.codec`` as for /attention: options
+Bodies, tensors, options and answers go through ``service.http.codec`` / ``body`` as for /attention
+(option values through ``service.wire.options``): options
 as query parameters (they win), safetensors metadata or JSON fields; an unknown option is a 400.
 Errors are raised as ``ServiceError``s and answered by the app's one handler.
 """
@@ -23,9 +24,10 @@ import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.errors import BadRequest
+from service.errors import BadRequest, UnsupportedMediaType
 from service.http import body as http_body
-from service.http import codec, json_tensors
+from service.http import codec
+from service.http.json_tensors import json_tensor
 from service.sessions import SessionStep
 from service.settings import Settings
 from service.wire.options import parse_bool, parse_options
@@ -79,18 +81,18 @@ def decode_step(session: str, body: bytearray, mtype: str, query: Mapping[str, s
 def decode_packed(body: bytearray, mtype: str, query: Mapping[str, str], **ids: Any) -> tuple[SessionStep, str]:
     """A packed step's body -> (SessionStep, the answer's encoding)."""
     if mtype == codec.JSON:
-        doc = json_tensors.parse_json(body)
+        doc = codec.parse_json(body)
         if not isinstance(doc, dict):
             raise BadRequest('the JSON body must be an object such as {"sessions": [...], "q": ..., "q_lengths": ...}')
         doc = dict(doc)
         lengths = doc.pop("q_lengths", None)
         sessions = doc.pop("sessions", None)
-        tensors, body_opts, encoding = json_tensors.json_tensors(doc, STEP_TENSORS, STEP_OPTIONS)
+        tensors, body_opts, encoding = codec.json_tensors(doc, STEP_TENSORS, STEP_OPTIONS)
         if sessions is not None:
             body_opts["sessions"] = sessions
         raw = codec.merge_options(PACKED_OPTIONS, body_opts, dict(query))
         if isinstance(lengths, dict):
-            lengths = json_tensors.json_tensor(lengths, "q_lengths", torch.int64)[0]
+            lengths = json_tensor(lengths, "q_lengths", torch.int64)[0]
     else:
         tensors, raw, encoding = codec.decode_tensors(body, mtype, (*STEP_TENSORS, "q_lengths"), PACKED_OPTIONS,
                                                       query)
@@ -124,7 +126,7 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         }
         mtype = http_body.media_type(request)
         if mtype not in (codec.SAFETENSORS, codec.JSON):
-            raise codec.UnsupportedMediaType(
+            raise UnsupportedMediaType(
                 f"unsupported Content-Type {mtype or '(none)'!r}; send {codec.SAFETENSORS} or {codec.JSON}"
             )
         if mtype == codec.SAFETENSORS:
@@ -149,8 +151,8 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     @router.post("/sessions", status_code=201, summary="create a session (its KV cache is kept on the server)")
     async def create_session(request: Request) -> Response:
         if http_body.media_type(request) != codec.JSON:
-            raise codec.UnsupportedMediaType(f"send the session's description as {codec.JSON}")
-        doc = json_tensors.parse_json(await http_body.read_body(request, json_limit, "--max-json-mb"))
+            raise UnsupportedMediaType(f"send the session's description as {codec.JSON}")
+        doc = codec.parse_json(await http_body.read_body(request, json_limit, "--max-json-mb"))
         if not isinstance(doc, dict):
             raise BadRequest('the body must be an object such as {"num_kv_heads": 8, "head_dim": 128}')
         unknown = set(doc) - set(CREATE_FIELDS)

@@ -13,10 +13,17 @@ parameters causal, scale, return_lse, kernel; outputs o and, when asked, lse) an
 loaded layer (input x [B, N, hidden], optional positions INT64 [B, N] and kv_lengths; parameter
 causal; output y). Unknown parameters are ignored, as in the protocol; an unknown input or output
 is refused, as Triton refuses one.
+
+Sequences (API.md §10): an ``attention`` call with Triton's sequence parameters (``sequence_id``, an
+integer or a string, 0 or "" meaning none; ``sequence_start``; ``sequence_end``) is a session step
+on the session ``str(sequence_id)``: ``sequence_start`` creates it from the step's own shapes (k and
+v required; parameter ``layers``, default 1), parameter ``layer`` picks the layer (default 0),
+``sequence_end`` releases it after the step, and ``causal`` defaults to true.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +34,8 @@ import torch
 from service import __version__
 from service.core.types import AttentionRequest, LayerRequest, new_request_id
 from service.errors import BadRequest, NotFound
-from service.wire.options import parse_options
+from service.sessions import SessionStep
+from service.wire.options import parse_bool, parse_options
 from service.wire.tensors import (
     OIP_DTYPES,
     OIP_NAMES,
@@ -112,10 +120,16 @@ ATTENTION_MODEL = Model(
         "scale": "float",
         "return_lse": "bool",
         "kernel": "string",
+        "sequence_id": "int or string (a session step; 0 or '' none)",
+        "sequence_start": "bool (create the session: k, v required)",
+        "sequence_end": "bool (release the session after the step)",
+        "layers": "int (with sequence_start; default 1)",
+        "layer": "int (a session step's layer; default 0)",
         "datatypes": "q, k, v: FP16, BF16 or FP32 (o follows q)",
     },
 )
 ATTENTION_PARAMETERS = ("causal", "scale", "return_lse", "kernel")
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "layers", "layer")
 LAYER_PARAMETERS = ("causal",)
 
 
@@ -196,8 +210,9 @@ class Call:
     """An infer request, decoded: the internal request and the outputs to send, in order."""
 
     model: Model
-    request: AttentionRequest | LayerRequest
+    request: AttentionRequest | LayerRequest | SessionStep
     outputs: tuple[str, ...]
+    create: dict[str, Any] | None = None  # sequence_start: engine.sessions.create's keywords
 
 
 def call_id(oip_id: Any, fallback: str | None = None) -> str:
@@ -231,6 +246,10 @@ def build_call(
     arrived: float | None = None,
 ) -> Call:
     """(model, named inputs, parameters, outputs asked for) -> the internal request and its outputs."""
+    sequence = sequence_id(parameters.get("sequence_id")) if model.is_attention else None
+    if sequence is not None:
+        return sequence_call(model, sequence, tensors, parameters, requested, request_id=request_id,
+                             deadline=deadline, arrived=arrived)
     missing = [t.name for t in model.inputs if not t.optional and t.name not in tensors]
     if missing:
         raise BadRequest(f"missing input{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
@@ -251,9 +270,67 @@ def build_call(
     return Call(model, request, outputs)
 
 
+def sequence_id(value: Any) -> str | None:
+    """``sequence_id`` -> the session id (``str`` of an integer); None for no sequence (absent, 0, "")."""
+    if value is None or value == 0 or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise BadRequest(f"parameter 'sequence_id' must be an integer or a string, got {value!r}")
+    return str(value)
+
+
+def _int_parameter(parameters: Mapping[str, Any], name: str, default: int) -> int:
+    value = parameters.get(name, default)
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"parameter {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def sequence_call(model: Model, session: str, tensors: Mapping[str, torch.Tensor], parameters: Mapping[str, Any],
+                  requested: Sequence[str] | None, *, request_id: str, deadline: float | None,
+                  arrived: float | None) -> Call:
+    """An ``attention`` call with a sequence id: a session step (and, with sequence_start, its creation)."""
+    if "q" not in tensors:
+        raise BadRequest("missing input q")
+    if "kv_lengths" in tensors:
+        raise BadRequest("a sequence step takes no kv_lengths: its keys are the session's")
+    flags = {name: parse_bool(name, parameters[name], "parameter") if name in parameters else False
+             for name in ("sequence_start", "sequence_end")}
+    opts = parse_options({k: v for k, v in parameters.items() if k in ("causal", "scale", "return_lse")},
+                         "parameter")
+    outputs = select_outputs(model, requested, opts.get("return_lse", False))
+    step = SessionStep.single(
+        session, tensors["q"], tensors.get("k"), tensors.get("v"), layer=_int_parameter(parameters, "layer", 0),
+        causal=opts.get("causal", True), scale=opts.get("scale"), return_lse="lse" in outputs,
+        end=flags["sequence_end"], request_id=request_id, deadline=deadline,
+        arrived=time.monotonic() if arrived is None else arrived,
+    )
+    create = None
+    if flags["sequence_start"]:
+        if step.k is None:
+            raise BadRequest("sequence_start creates the session from the step's k and v: send both")
+        create = {"session": session, "layers": _int_parameter(parameters, "layers", 1),
+                  "num_kv_heads": step.heads_kv, "head_dim": step.head_dim, "dtype": step.q.dtype}
+    return Call(model, step, outputs, create)
+
+
 async def infer(engine: Any, call: Call) -> dict[str, torch.Tensor]:
     """Run ``call`` on the engine: output name -> tensor, for the outputs it sends."""
-    if isinstance(call.request, AttentionRequest):
+    if isinstance(call.request, SessionStep):
+        if call.create is not None:
+            engine.sessions.create(**call.create)  # 409 / ALREADY_EXISTS for a live id
+            try:
+                res = await engine.sessions.step(call.request)
+            except Exception:  # a start that failed leaves no session behind (it may be retried)
+                with contextlib.suppress(NotFound):
+                    await engine.sessions.delete(call.create["session"])
+                raise
+        else:
+            res = await engine.sessions.step(call.request)
+        values = {"o": res.o, "lse": res.lse}
+    elif isinstance(call.request, AttentionRequest):
         res = await engine.attend(call.request)
         values = {"o": res.o, "lse": res.lse}
     else:

@@ -1,0 +1,196 @@
+"""Sessions over gRPC and through both Python clients, against a real CPU server (API.md §10):
+steps equal /attention over the whole K, V and a float64 reference; packed steps equal single ones
+(bitwise); q-only steps; end; SessionAttendStream's in-band errors; every status code of §10's
+table; the clients' session API and its context manager."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from conftest import run_server
+from reference64 import attention64
+
+from service.client import AttentionClient, AttentionServiceError, GrpcAttentionClient, Session
+
+HKV, HQ, D = 2, 4, 16  # GQA 2:1; D = 16 the warmed head dim
+SERVER_ARGS = ("--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32", "--kv-page-tokens", "5",
+               "--kv-cache-mb", "1")  # 1 MiB: 4096 tokens of (HKV, D) float32 keys and values
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("sessions-grpc"), *SERVER_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with GrpcAttentionClient(server.grpc_target, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with AttentionClient(server.url, timeout=60.0) as c:
+        yield c
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def qkv(n, seed, hq=HQ, hkv=HKV, d=D):
+    s = 3 * seed
+    return rand(1, hq, n, d, seed=s), rand(1, hkv, n, d, seed=s + 1), rand(1, hkv, n, d, seed=s + 2)
+
+
+def test_grpc_steps_equal_attention_over_the_whole_cache_and_float64(client, http):
+    s = client.create_session(HKV, D, torch.float32, layers=2)
+    assert isinstance(s, Session) and s.layers == 2 and s.dtype == "float32"
+    ks, vs = {0: [], 1: []}, {0: [], 1: []}
+    for i, (n, layer) in enumerate([(7, 0), (3, 1), (1, 0), (4, 0), (1, 1), (1, 0)]):
+        q, k, v = qkv(n, i)
+        o, lse = client.step(s, q, k, v, layer=layer, return_lse=True)
+        ks[layer].append(k)
+        vs[layer].append(v)
+        kk, vv = torch.cat(ks[layer], 2), torch.cat(vs[layer], 2)
+        want_o, want_lse = http.attention(q, kk, vv, causal=True, return_lse=True)
+        torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+        o64, lse64 = attention64(q, kk, vv, causal=True)
+        torch.testing.assert_close(o.double(), o64, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse.double(), lse64, rtol=1e-4, atol=1e-4)
+        assert o.shape == (1, HQ, n, D) and lse.shape == (1, HQ, n)
+    info = client.get_session(s)
+    assert info["lengths"] == [13, 4] and info["dtype"] == "float32" and info["device"] == "cpu"
+    assert info["kv_bytes"] == (3 + 1) * 2 * 5 * HKV * D * 4
+
+    # q-only steps append nothing; causal=False sees every key; bnhd
+    q = rand(1, HQ, 2, D, seed=99)
+    kk, vv = torch.cat(ks[0], 2), torch.cat(vs[0], 2)
+    torch.testing.assert_close(client.step(s, q), http.attention(q, kk, vv, causal=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(client.step(s, q, causal=False), http.attention(q, kk, vv), rtol=1e-5, atol=1e-5)
+    o = client.step(s, q.transpose(1, 2).contiguous(), layout="bnhd")
+    assert o.shape == (1, 2, HQ, D)
+    torch.testing.assert_close(o.transpose(1, 2), http.attention(q, kk, vv, causal=True), rtol=1e-5, atol=1e-5)
+    assert client.get_session(s)["lengths"] == [13, 4]
+
+    # end: answered, then released
+    client.step(s, q, end=True)
+    with pytest.raises(AttentionServiceError) as e:
+        client.get_session(s)
+    assert e.value.status == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_packed_steps_equal_single_steps_bitwise(client, http, transport):
+    c = client if transport == "grpc" else http
+    sizes, new = [3, 1, 6], [2, 1, 3]
+    pairs = []
+    for _ in range(2):  # the same history twice: one stepped packed, its twin one by one
+        group = [c.create_session(HKV, D, "float32") for _ in sizes]
+        for i, (s, n) in enumerate(zip(group, sizes, strict=True)):
+            c.step(s, *qkv(n, i))
+        pairs.append(group)
+    packed, single = pairs
+    qs = [rand(n, HQ, D, seed=40 + i) for i, n in enumerate(new)]
+    ks = [rand(n, HKV, D, seed=50 + i) for i, n in enumerate(new)]
+    vs = [rand(n, HKV, D, seed=60 + i) for i, n in enumerate(new)]
+    o, lse = c.packed_step(packed, torch.cat(qs), torch.cat(ks), torch.cat(vs), new, return_lse=True)
+    assert o.shape == (sum(new), HQ, D) and lse.shape == (HQ, sum(new))
+    at = 0
+    for s, q, k, v, n in zip(single, qs, ks, vs, new, strict=True):
+        o1, lse1 = c.step(s, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                          return_lse=True)
+        assert torch.equal(o[at : at + n], o1[0].transpose(0, 1))
+        assert torch.equal(lse[:, at : at + n], lse1[0])
+        at += n
+    # one session with 3-D tensors and q_lengths is a packed step too; q-only packed steps
+    o = c.packed_step(packed[:1], qs[0], ks[0], vs[0], [new[0]])
+    assert o.shape == (new[0], HQ, D)
+    o = c.packed_step(packed, torch.cat(qs), None, None, new)
+    assert o.shape == (sum(new), HQ, D)
+    assert [c.get_session(s)["lengths"] for s in packed] == [[3 + 2 + 2], [1 + 1], [6 + 3]]
+    for s in packed + single:
+        c.delete_session(s)
+
+
+def test_stream_answers_a_bad_step_in_band_and_goes_on(client, http):
+    s = client.create_session(HKV, D, "float32", session="stream-1")
+    q0, k0, v0 = qkv(4, 70)
+    q1, k1, v1 = qkv(1, 71)
+    bad = rand(1, HQ + 1, 1, D, seed=72)  # 5 query heads over 2 kv heads: not GQA
+    q2, k2, v2 = qkv(2, 73)
+    steps = [dict(sessions=[s.id], q=q0, k=k0, v=v0), dict(sessions=[s.id], q=q1, k=k1, v=v1),
+             dict(sessions=[s.id], q=bad, k=k1, v=v1), dict(sessions=[s.id], q=q2, k=k2, v=v2, return_lse=True),
+             dict(sessions=["no-such-session"], q=q2)]
+    out = dict(client.session_stream(steps))
+    assert sorted(out) == ["0", "1", "2", "3", "4"]
+    assert isinstance(out["2"], AttentionServiceError) and out["2"].status == grpc.StatusCode.INVALID_ARGUMENT
+    assert out["2"].code == "invalid_input"
+    assert out["4"].status == grpc.StatusCode.NOT_FOUND
+    kk, vv = torch.cat([k0, k1, k2], 2), torch.cat([v0, v1, v2], 2)  # in stream order; the bad step appended nothing
+    o, lse = out["3"]
+    torch.testing.assert_close(o, http.attention(q2, kk, vv, causal=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["1"], http.attention(q1, kk[:, :, :5], vv[:, :, :5], causal=True),
+                               rtol=1e-5, atol=1e-5)
+    assert client.get_session(s)["lengths"] == [7]
+    client.delete_session(s)
+
+
+def _status(fn, *args, **kwargs) -> AttentionServiceError:
+    with pytest.raises(AttentionServiceError) as e:
+        fn(*args, **kwargs)
+    return e.value
+
+
+def test_every_status_code_of_the_table(client):
+    nf = grpc.StatusCode.NOT_FOUND
+    assert _status(client.get_session, "nope").status == nf
+    assert _status(client.delete_session, "nope").status == nf
+    assert _status(client.step, "nope", *qkv(1, 1)).status == nf
+    s = client.create_session(HKV, D, "float32", layers=2, session="codes")
+    err = _status(client.create_session, HKV, D, "float32", session="codes")
+    assert err.status == grpc.StatusCode.ALREADY_EXISTS and err.code == "already_exists"
+    inv = grpc.StatusCode.INVALID_ARGUMENT
+    assert _status(client.step, s, *qkv(1, 2, hkv=HKV * 2, hq=HQ * 2)).status == inv  # kv heads not the session's
+    assert _status(client.step, s, *(t.half() for t in qkv(1, 2))).status == inv  # dtype
+    assert _status(client.step, s, *qkv(1, 2, d=8)).status == inv  # head dim
+    assert _status(client.step, s, *qkv(1, 2), layer=2).status == inv  # layer out of range
+    q, k, v = (t[0].transpose(0, 1) for t in qkv(3, 3))
+    assert _status(client.packed_step, [s], q, k, v, [2]).status == inv  # q_lengths not adding up
+    assert _status(client.create_session, HKV, D, "int32").status == inv
+    assert _status(client.create_session, HKV, 300, "float32").status == inv
+    assert _status(client.create_session, HKV, D, "float32", session="attend").status == inv
+    # no room: 1 MiB holds 4096 tokens of this geometry; the session keeps what it had
+    client.step(s, *qkv(3, 4))
+    err = _status(client.step, s, *qkv(5000, 5))
+    assert err.status == grpc.StatusCode.RESOURCE_EXHAUSTED and err.code == "insufficient_storage"
+    assert client.get_session(s)["lengths"] == [3, 0]
+    client.delete_session(s)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_client_session_api_and_context_manager(client, http, transport):
+    c = client if transport == "grpc" else http
+    with c.session(num_kv_heads=HKV, head_dim=D, dtype=torch.float32, layers=2) as s:
+        ks = []
+        for i, n in enumerate([5, 1, 1]):
+            q, k, v = qkv(n, 80 + i)
+            ks.append((k, v))
+            for layer in range(2):
+                o = s.step(q, k, v, layer=layer)
+            kk, vv = torch.cat([p[0] for p in ks], 2), torch.cat([p[1] for p in ks], 2)
+            torch.testing.assert_close(o, http.attention(q, kk, vv, causal=True), rtol=1e-5, atol=1e-5)
+        assert s.info()["lengths"] == [7, 7]
+        assert str(s) in (http.get_session(s.id)["session"],)
+    assert _status(c.get_session, s).code == "not_found"  # deleted on exit
+    with c.session(HKV, D, "float32") as s:  # ended inside: the exit's 404 is ignored
+        s.step(*qkv(2, 90), end=True)
+    assert _status(c.get_session, s).code == "not_found"
+    with pytest.raises(AttentionServiceError):
+        s.delete(missing_ok=False)
+    named = c.create_session(HKV, D, "float32", session=f"named-{transport}")
+    assert named.id == f"named-{transport}" and c.get_session(named)["lengths"] == [0]
+    c.delete_session(named.id)

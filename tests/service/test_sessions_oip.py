@@ -1,0 +1,105 @@
+"""Sessions through the Open Inference Protocol's sequence parameters (API.md §10), driven by
+tritonclient's own ``infer(..., sequence_id=, sequence_start=, sequence_end=)`` over HTTP and gRPC
+against a real CPU server: a prefill and a decode loop equal /attention over the concatenation; a
+second start is 409 / ALREADY_EXISTS; the session is gone after sequence_end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from conftest import run_server
+from tritonclient.utils import InferenceServerException
+
+from service.client import AttentionClient
+
+HKV, HQ, D = 2, 4, 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    args = ("--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32", "--kv-page-tokens", "5")
+    with run_server(tmp_path_factory.mktemp("sessions-oip"), *args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def native(server):
+    with AttentionClient(server.url) as c:
+        yield c
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def triton(server, kind):
+    if kind == "http":
+        return th, th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    return tg, tg.InferenceServerClient(server.grpc_target)
+
+
+def infer(mod, client, tensors, **kwargs):
+    inputs = []
+    for name, t in tensors.items():
+        inp = mod.InferInput(name, list(t.shape), "FP32")
+        inp.set_data_from_numpy(t.numpy())
+        inputs.append(inp)
+    outputs = [mod.InferRequestedOutput(n) for n in kwargs.pop("outputs", ("o",))]
+    res = client.infer("attention", inputs, outputs=outputs, **kwargs)
+    return {o: torch.from_numpy(np.array(res.as_numpy(o))) for o in ("o", "lse") if res.as_numpy(o) is not None}
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+@pytest.mark.parametrize("seq", [17, "chat-7"])
+def test_prefill_and_decode_through_sequence_parameters(server, native, kind, seq):
+    seq = seq if isinstance(seq, str) else seq + (kind == "grpc")  # one id per case
+    seq = f"{seq}-{kind}" if isinstance(seq, str) else seq
+    mod, client = triton(server, kind)
+    ks, vs, seed = [], [], 0
+    for i, n in enumerate([6, 1, 1, 1]):  # prefill, then decode
+        q, k, v = rand(1, HQ, n, D, seed=seed), rand(1, HKV, n, D, seed=seed + 1), rand(1, HKV, n, D, seed=seed + 2)
+        seed += 3
+        ks.append(k)
+        vs.append(v)
+        out = infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=seq, sequence_start=i == 0,
+                    sequence_end=False, outputs=("o", "lse"))
+        kk, vv = torch.cat(ks, 2), torch.cat(vs, 2)
+        o, lse = native.attention(q, kk, vv, causal=True, return_lse=True)
+        torch.testing.assert_close(out["o"], o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["lse"], lse, rtol=1e-5, atol=1e-5)
+        if i == 0:  # a second start on the live id
+            with pytest.raises(InferenceServerException) as e:
+                infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=seq, sequence_start=True)
+            assert e.value.status() in ("409", "StatusCode.ALREADY_EXISTS"), e.value.message()
+    assert native.get_session(str(seq))["lengths"] == [9]
+    q = rand(1, HQ, 1, D, seed=99)  # q-only, non-causal, the last step
+    out = infer(mod, client, {"q": q}, sequence_id=seq, sequence_end=True, parameters={"causal": False})
+    torch.testing.assert_close(out["o"], native.attention(q, torch.cat(ks, 2), torch.cat(vs, 2)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InferenceServerException) as e:  # gone after sequence_end
+        infer(mod, client, {"q": q}, sequence_id=seq)
+    assert e.value.status() in ("404", "StatusCode.NOT_FOUND"), e.value.message()
+    with pytest.raises(Exception, match="not_found|no session"):
+        native.get_session(str(seq))
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_layers_layer_and_a_start_without_keys(server, native, kind):
+    mod, client = triton(server, kind)
+    seq = 1000 + (kind == "grpc")
+    q, k, v = rand(1, HQ, 3, D, seed=1), rand(1, HKV, 3, D, seed=2), rand(1, HKV, 3, D, seed=3)
+    with pytest.raises(InferenceServerException, match="k and v"):
+        infer(mod, client, {"q": q}, sequence_id=seq, sequence_start=True)
+    infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=seq, sequence_start=True, parameters={"layers": 2})
+    out = infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=seq, parameters={"layer": 1})
+    torch.testing.assert_close(out["o"], native.attention(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+    info = native.get_session(str(seq))
+    assert info["layers"] == 2 and info["lengths"] == [3, 3] and info["num_kv_heads"] == HKV
+    with pytest.raises(InferenceServerException, match="out of range"):
+        infer(mod, client, {"q": q}, sequence_id=seq, parameters={"layer": 2})
+    # sequence_id 0 is no session: a plain (non-causal) attention call
+    out = infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=0)
+    torch.testing.assert_close(out["o"], native.attention(q, k, v), rtol=1e-5, atol=1e-5)
+    native.delete_session(str(seq))
