@@ -25,6 +25,7 @@ from service.errors import BadRequest, ServiceError
 from service.grpc import codec, oip
 from service.grpc.codec import offload, result_bytes
 from service.grpc.protogen import attention_stubs
+from service.sessions import routing
 from service.settings import Settings
 from service.wire.tensors import ServerTiming
 
@@ -319,6 +320,7 @@ def create_server(engine, settings: Settings) -> grpc.aio.Server:
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else \
         f"{settings.host}:{settings.grpc_port}"
     server.add_insecure_port(address)
+    routing.add_grpc_port(server, settings)  # under --processes: the private socket other processes forward to
     server.attnserve_rpcs = interceptor  # for shutdown()
     return server
 
