@@ -12,6 +12,8 @@
             if isinstance(o, GrpcAttentionServiceError):           # this call failed; the others go on
                 ...
             ...                                                    # completion order, ids "0", "1", ...
+        with client.session(num_kv_heads=8, head_dim=128, dtype=torch.float16, layers=32) as s:
+            o = s.step(q, k, v, layer=0)                           # sessions: service.client.sessions
 
 Errors raise ``GrpcAttentionServiceError`` (an ``AttentionServiceError``): ``status`` is the
 ``grpc.StatusCode``, ``code`` the service's code (e.g. "invalid_input"), ``message`` its message.
@@ -29,6 +31,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client.http import AttentionServiceError
+from service.client.sessions import SessionsMixin, q_lengths_tensor
 from service.grpc import codec as grpc_codec
 from service.grpc.protogen import attention_stubs
 from service.wire import tensors
@@ -84,7 +87,7 @@ def _result(resp) -> Result:
     return (o, _tensor(resp.lse)) if resp.HasField("lse") else o
 
 
-class GrpcAttentionClient:
+class GrpcAttentionClient(SessionsMixin):
     """A synchronous client over one channel (HTTP/2 multiplexing); safe to share between threads.
 
     ``timeout`` (seconds) is each call's gRPC deadline; the server honours it (DEADLINE_EXCEEDED).
@@ -171,3 +174,61 @@ class GrpcAttentionClient:
         except grpc.RpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    # ---- sessions (API.md §10; the shared logic: service.client.sessions) ----------------------
+
+    def _create_session(self, fields: dict[str, Any]) -> dict[str, Any]:
+        req = pb.CreateSessionRequest(session=fields["session"] or "", layers=fields["layers"],
+                                      num_kv_heads=fields["num_kv_heads"], head_dim=fields["head_dim"],
+                                      dtype=grpc_codec.dtype_to_pb(fields["dtype"]))
+        return _session_info(self._call(self._stub.CreateSession, req))
+
+    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None],
+                      options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        req = session_attend_request(sessions, **tensors, **options)
+        resp = self._call(self._stub.SessionAttend, req)
+        return _tensor(resp.o), _tensor(resp.lse) if resp.HasField("lse") else None
+
+    def session_stream(self, requests: Iterable[dict[str, Any]], timeout: float | None = None
+                       ) -> Iterator[tuple[str, Result | GrpcAttentionServiceError]]:
+        """Many steps on one SessionAttendStream, as ``attention_stream``: each item holds
+        ``session_attend_request``'s keyword arguments (sessions, q, k, v, q_lengths, layer, causal,
+        ...); steps on the same (session, layer) take effect in the order sent. Yields
+        ``(request_id, o | (o, lse) | GrpcAttentionServiceError)`` in completion order."""
+
+        def messages():
+            for i, kwargs in enumerate(requests):
+                yield session_attend_request(**{"request_id": str(i), **kwargs})
+
+        try:
+            for resp in self._stub.SessionAttendStream(messages(), timeout=timeout or self.timeout,
+                                                       metadata=self._metadata):
+                yield resp.request_id, _call_error(resp.error) if resp.HasField("error") else _result(resp)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def _get_session(self, session: str) -> dict[str, Any]:
+        return _session_info(self._call(self._stub.GetSession, pb.GetSessionRequest(session=session)))
+
+    def _delete_session(self, session: str) -> None:
+        self._call(self._stub.DeleteSession, pb.DeleteSessionRequest(session=session))
+
+
+def session_attend_request(sessions: list[str] | str, q: torch.Tensor, k: torch.Tensor | None = None,
+                           v: torch.Tensor | None = None, q_lengths: Any = None, layer: int = 0,
+                           causal: bool = True, scale: float | None = None, return_lse: bool = False,
+                           end: bool = False, layout: str = "bhnd", request_id: str = ""):
+    """The SessionAttendRequest message of one step (one session, 4-D q) or packed step (q_lengths)."""
+    return pb.SessionAttendRequest(
+        sessions=[sessions] if isinstance(sessions, str) else [str(s) for s in sessions], layer=layer,
+        q=grpc_codec.tensor_to_pb(q), k=_opt(k), v=_opt(v),
+        q_lengths=None if q_lengths is None else grpc_codec.tensor_to_pb(q_lengths_tensor(q_lengths)),
+        causal=causal, scale=scale, return_lse=return_lse, end=end, request_id=request_id,
+        layout="" if q_lengths is not None else layout,
+    )
+
+
+def _session_info(msg) -> dict[str, Any]:
+    return {"session": msg.session, "layers": msg.layers, "num_kv_heads": msg.num_kv_heads,
+            "head_dim": msg.head_dim, "dtype": pb.DType.Name(msg.dtype).lower(), "lengths": list(msg.lengths),
+            "kv_bytes": msg.kv_bytes, "idle_s": msg.idle_s, "device": msg.device}

@@ -8,6 +8,8 @@ safetensors (the fast path).
         client.layers()                                            # [{"name", "family", ...}]
         y = client.call_layer("minilm0", x)                        # x: (B, N, hidden)
         client.ready()                                             # True once the server is warm
+        with client.session(num_kv_heads=8, head_dim=128, dtype=torch.float16, layers=32) as s:
+            o = s.step(q, k, v, layer=0)                           # sessions: service.client.sessions
 
 Errors raise ``AttentionServiceError`` carrying the HTTP ``status``, the service's ``code`` and its
 ``message`` (and ``retry_after_s`` on 429); a 200 that is not a safetensors file gives ``bad_answer``.
@@ -23,6 +25,7 @@ import orjson
 import torch
 import urllib3
 
+from service.client.sessions import SessionsMixin
 from service.errors import ServiceError
 from service.wire.tensors import parse_safetensors, safetensors_parts, uninitialized_bytearray
 
@@ -72,7 +75,7 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-class AttentionClient:
+class AttentionClient(SessionsMixin):
     """A synchronous client (urllib3, connection pooling); safe to share between threads.
 
     urllib3 rather than httpx: on a 256 MiB safetensors call httpx took 3.3-4.1 s where urllib3
@@ -204,3 +207,36 @@ class AttentionClient:
             return self._get("/readyz").status == 200
         except urllib3.exceptions.HTTPError:
             return False
+
+    # ---- sessions (API.md §10; the shared logic: service.client.sessions) ----------------------
+
+    def _json_call(self, method: str, path: str, doc: Any = None) -> urllib3.BaseHTTPResponse:
+        headers = {**self._http.headers, "Content-Type": "application/json"} if doc is not None else None
+        r = self._http.request(method, f"{self._base}{path}", body=None if doc is None else orjson.dumps(doc),
+                               headers=headers)
+        self._raise_for_error(r)
+        return r
+
+    def _create_session(self, fields: dict[str, Any]) -> dict[str, Any]:
+        doc = {name: value for name, value in fields.items() if value is not None}
+        return orjson.loads(self._json_call("POST", "/sessions", doc).data)
+
+    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None],
+                      options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        params = {name: _bool(value) if isinstance(value, bool) else str(value)
+                  for name, value in options.items() if value is not None}
+        if "scale" in options and options["scale"] is not None:
+            params["scale"] = repr(float(options["scale"]))
+        if "q_lengths" in tensors:  # a packed step
+            params["sessions"] = ",".join(sessions)
+            path = "/sessions/attend"
+        else:
+            path = f"/sessions/{quote(sessions[0], safe='')}/attend"
+        out = self._post(path, tensors, params)
+        return out["o"], out.get("lse")
+
+    def _get_session(self, session: str) -> dict[str, Any]:
+        return orjson.loads(self._json_call("GET", f"/sessions/{quote(session, safe='')}").data)
+
+    def _delete_session(self, session: str) -> None:
+        self._json_call("DELETE", f"/sessions/{quote(session, safe='')}")

@@ -25,6 +25,7 @@ from service.errors import BadRequest, ServiceError
 from service.grpc import codec, oip
 from service.grpc.codec import offload, result_bytes
 from service.grpc.protogen import attention_stubs
+from service.grpc.sessions import SessionServicer
 from service.sessions import routing
 from service.settings import Settings
 from service.wire.tensors import ServerTiming
@@ -198,7 +199,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
 # ---- attention.v1.AttentionService ------------------------------------------------------------
 
-class AttentionServicer(pb_grpc.AttentionServiceServicer):
+class AttentionServicer(SessionServicer, pb_grpc.AttentionServiceServicer):
+    """Attend, AttendStream, CallLayer, ListLayers here; the session rpcs in ``service.grpc.sessions``."""
+
+    in_band_error = staticmethod(lambda exc: call_error(exc))
+
     def __init__(self, engine):
         self.engine = engine
 

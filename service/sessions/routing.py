@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from service.errors import InvalidInput
+from service.errors import InvalidInput, ServiceError
 
 SESSION_HEADER = "x-attnserve-session"  # what clients send on session calls (a gateway hashes on it)
 FORWARDED = "x-attnserve-forwarded"
@@ -441,10 +441,28 @@ def _channel(p: Peers, i: int):
     return ch
 
 
+def owner_error(exc: Any) -> ServiceError:
+    """The owner's status (a ``grpc.aio.AioRpcError``) as the ServiceError it was raised as there: code,
+    message, and the trailers ``attnserve-error-code`` and ``retry-after``, so that it is answered unchanged."""
+    import grpc
+
+    trailers = dict(exc.trailing_metadata() or ())
+    err = ServiceError(exc.details() or "")
+    err.grpc_code = exc.code().name
+    err.code = trailers.get("attnserve-error-code", exc.code().name.lower())
+    with contextlib.suppress(KeyError, ValueError):
+        err.retry_after_s = float(trailers["retry-after"])
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and not trailers.get("attnserve-error-code"):
+        err.code = "unavailable"
+        err.message = f"the process that holds this session did not answer ({exc.details()}); retry"
+    return err
+
+
 async def forward_grpc(settings: Any, target: int, method: str, request: Any, context: Any,
                        response_type: Any) -> Any:
-    """Call ``method`` ("/attention.v1.AttentionService/SessionAttend") with ``request`` on process
-    ``target``; its answer, or its status (code, details, trailing metadata) given to ``context``."""
+    """Call ``method`` (e.g. "/attention.v1.AttentionService/SessionAttend") with ``request`` on process
+    ``target``, with the call's metadata and deadline: the owner's answer, or its status raised as a
+    ServiceError (``owner_error``) for the transport's one error mapping."""
     import grpc
 
     p = peers_of(settings)
@@ -452,16 +470,10 @@ async def forward_grpc(settings: Any, target: int, method: str, request: Any, co
         method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response_type.FromString)
     metadata = [(k, v) for k, v in (context.invocation_metadata() or ()) if k != FORWARDED and not k.startswith(":")]
     metadata.append((FORWARDED, str(p.index)))
-    remaining = context.time_remaining()
     try:
-        return await call(request, metadata=metadata, timeout=remaining if remaining is not None else None)
+        return await call(request, metadata=metadata, timeout=context.time_remaining())
     except grpc.aio.AioRpcError as exc:
-        if exc.trailing_metadata():
-            context.set_trailing_metadata(exc.trailing_metadata())
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and "unix:" in (exc.details() or ""):
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"this session lives on process {target} of {p.count}, which did not answer; retry")
-        await context.abort(exc.code(), exc.details() or "")
+        raise owner_error(exc) from None
 
 
 async def close_channels() -> None:
@@ -473,5 +485,6 @@ async def close_channels() -> None:
 
 __all__ = [
     "FORWARDED", "SESSION_HEADER", "HTTPRouter", "Peers", "add_grpc_port", "forward_grpc", "grpc_owner",
+    "owner_error",
     "http_listeners", "new_session_id", "owner", "owners_of", "peers_of", "single_owner", "wrap_http",
 ]

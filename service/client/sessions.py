@@ -1,0 +1,136 @@
+"""Sessions in the Python clients (API.md §10): the logic both clients share; each transport
+(``AttentionClient``, ``GrpcAttentionClient``) provides only the calls themselves.
+
+    s = client.create_session(num_kv_heads=8, head_dim=128, dtype=torch.float16, layers=32)
+    o = client.step(s, q, k, v, layer=0)                 # q (1, Hq, n, D), k/v (1, Hkv, n, D)
+    o = client.step(s, q, layer=0)                       # q-only: attends to what is held
+    o = client.packed_step([s1, s2], q, k, v, q_lengths) # q (T, Hq, D), k/v (T, Hkv, D)
+    client.get_session(s)                                # {"session", "layers", "lengths", ...}
+    client.delete_session(s)
+
+    with client.session(num_kv_heads=8, head_dim=128, dtype=torch.float16, layers=32) as s:
+        o = s.step(q, k, v, layer=i)                     # deleted on exit (404 ignored: ended already)
+
+Steps are causal by default (bottom-right: the n queries are the sequence's last n positions).
+``return_lse=True`` gives ``(o, lse)``; ``end=True`` releases the session after the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Session:
+    """A handle on a session held by the server; a context manager that deletes it on exit."""
+
+    client: Any
+    id: str
+    layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def step(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+             **options: Any) -> Result:
+        """``client.step(self, q, k, v, **options)``."""
+        return self.client.step(self, q, k, v, **options)
+
+    def info(self) -> dict[str, Any]:
+        return self.client.get_session(self)
+
+    def delete(self, missing_ok: bool = True) -> None:
+        """End the session; with ``missing_ok`` an ended or expired one (404) is not an error."""
+        try:
+            self.client.delete_session(self)
+        except Exception as exc:
+            if not (missing_ok and getattr(exc, "code", None) == "not_found"):
+                raise
+
+    def __str__(self) -> str:
+        return self.id
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.delete(missing_ok=True)
+
+
+def session_id(session: Session | str) -> str:
+    return session.id if isinstance(session, Session) else session
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """torch.float16 / "float16" / "torch.float16" -> "float16"."""
+    return (dtype if isinstance(dtype, str) else str(dtype)).removeprefix("torch.")
+
+
+def q_lengths_tensor(q_lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    return torch.as_tensor(q_lengths, dtype=torch.int32).reshape(-1)
+
+
+class SessionsMixin:
+    """Session calls over a transport's ``_create_session``, ``_session_step``, ``_get_session`` and
+    ``_delete_session`` (each takes and gives plain values: dicts, tensors, ids)."""
+
+    def create_session(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str = torch.float16,
+                       layers: int = 1, session: str | None = None) -> Session:
+        """A new session on the server (its id ``session``, else one the server makes)."""
+        info = self._create_session({"session": session, "layers": layers, "num_kv_heads": num_kv_heads,
+                                     "head_dim": head_dim, "dtype": dtype_name(dtype)})
+        return Session(self, info["session"], info["layers"], info["num_kv_heads"], info["head_dim"],
+                       info["dtype"])
+
+    def session(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str = torch.float16,
+                layers: int = 1, session: str | None = None) -> Session:
+        """``create_session``, for ``with``: the session is deleted on exit."""
+        return self.create_session(num_kv_heads, head_dim, dtype, layers, session)
+
+    def step(self, session: Session | str, q: torch.Tensor, k: torch.Tensor | None = None,
+             v: torch.Tensor | None = None, *, layer: int = 0, causal: bool = True, scale: float | None = None,
+             return_lse: bool = False, end: bool = False, layout: str = "bhnd") -> Result:
+        """One step: q (1, Hq, n, D), k/v (1, Hkv, n, D) (or none) -> o (1, Hq, n, D) [, lse (1, Hq, n)]."""
+        options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end,
+                   "layout": layout}
+        o, lse = self._session_step([session_id(session)], {"q": q, "k": k, "v": v}, options)
+        return (o, lse) if return_lse else o
+
+    def packed_step(self, sessions: Sequence[Session | str], q: torch.Tensor, k: torch.Tensor | None,
+                    v: torch.Tensor | None, q_lengths: torch.Tensor | Sequence[int], *, layer: int = 0,
+                    causal: bool = True, scale: float | None = None, return_lse: bool = False,
+                    end: bool = False) -> Result:
+        """Many sessions' rows in one call: q (T, Hq, D), k/v (T, Hkv, D) (or none), q_lengths [S]
+        -> o (T, Hq, D) [, lse (Hq, T)]."""
+        options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end}
+        tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths_tensor(q_lengths)}
+        o, lse = self._session_step([session_id(s) for s in sessions], tensors, options)
+        return (o, lse) if return_lse else o
+
+    def get_session(self, session: Session | str) -> dict[str, Any]:
+        """{"session", "layers", "num_kv_heads", "head_dim", "dtype", "lengths", "kv_bytes", "idle_s", "device"}"""
+        return self._get_session(session_id(session))
+
+    def delete_session(self, session: Session | str) -> None:
+        self._delete_session(session_id(session))
+
+    # ---- the transport's part ------------------------------------------------------------------
+
+    def _create_session(self, fields: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None],
+                      options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _get_session(self, session: str) -> dict[str, Any]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _delete_session(self, session: str) -> None:  # pragma: no cover
+        raise NotImplementedError
