@@ -374,7 +374,8 @@ def test_session_affinity_hashes_on_the_header_clients_send():
     assert [b["name"] for r in route["spec"]["rules"] for b in r["backendRefs"]] == [service["metadata"]["name"]]
     assert {"kind": "HTTPRoute", "name": route["metadata"]["name"]}.items() <= policy["spec"]["targetRefs"][0].items()
     lb = policy["spec"]["loadBalancer"]
-    assert lb["type"] == "ConsistentHash" and lb["consistentHash"] == {"type": "Header", "header": {"name": SESSION_HEADER}}
+    assert lb["type"] == "ConsistentHash"
+    assert lb["consistentHash"] == {"type": "Header", "header": {"name": SESSION_HEADER}}
 
 
 def _core_validator(definition: str):
