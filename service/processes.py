@@ -83,6 +83,7 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
         return 1
     listener.set_inheritable(True)
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
+    peers_dir = tempfile.mkdtemp(prefix="attnserve-peers-")  # 0700: each process's private sockets
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     shares = deal_devices(devices, processes)
     if all(s == "cpu" for s in shares) and "OMP_NUM_THREADS" not in env:
@@ -105,7 +106,8 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
             if stopping:  # a signal while starting them: start no more
                 break
             cmd = [sys.executable, "-m", "service", *argv,
-                   "--processes", "1", "--device", share, "--http-fd", str(listener.fileno())]
+                   "--processes", "1", "--device", share, "--http-fd", str(listener.fileno()),
+                   "--peers", f"{i}/{len(shares)}@{peers_dir}"]
             children.append(subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),)))
             log.info("process %d (pid %d) on %s", i, children[-1].pid, share)
         log.info("%d processes serving HTTP on %s:%d%s", len(children), settings.host, settings.http_port,
@@ -132,6 +134,7 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
             signal.signal(sig, handler)
         listener.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(peers_dir, ignore_errors=True)
 
 
 def _process_dead(pid: int, metrics_dir: str) -> None:

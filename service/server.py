@@ -26,6 +26,7 @@ from service import allocator
 from service.core import metrics
 from service.core.engine import Engine
 from service.http.uvicorn_patch import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
+from service.sessions import routing
 from service.settings import Settings
 
 log = logging.getLogger("attnserve")
@@ -68,7 +69,9 @@ async def serve(settings: Settings) -> int:
     try:
         # under --processes the supervisor bound the port: accept on its socket, shared with the others
         sockets = None if settings.http_fd is None else [inherited_listener(settings.http_fd)]
-    except ValueError as exc:
+        if sockets is not None:  # and its private socket, for session calls other processes forward
+            sockets += routing.http_listeners(settings)
+    except (ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
     reusing = allocator.install(settings)
@@ -85,7 +88,7 @@ async def serve(settings: Settings) -> int:
     except ValueError as exc:  # LayerConfigError is a ValueError too
         log.error("cannot start: %s", exc)
         return 2
-    app = create_app(engine, settings)
+    app = routing.wrap_http(create_app(engine, settings), settings)  # session calls reach their process
     bodies = None
     if settings.patch_uvicorn:
         bodies = BodyBuffers(engine.on_gpu, settings.pinned_body_bytes)

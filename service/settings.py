@@ -33,6 +33,11 @@ class Settings(BaseSettings):
         None, ge=0, description="accept HTTP on this inherited listening socket instead of binding "
         "--http-port (set by --processes for the processes it starts)",
     )
+    peers: str | None = Field(
+        None, description="this process's place among --processes' processes, INDEX/COUNT@FOLDER: session "
+        "calls for another process go to its private sockets in FOLDER (set by --processes for the processes "
+        "it starts)",
+    )
     device: str = Field(
         "auto",
         description="'auto' (every visible GPU, else the CPU), 'cpu', 'cuda', "

@@ -330,6 +330,8 @@ def test_yamllint_every_yaml_file():
 
 
 KSERVE_KINDS = {"ServingRuntime", "ClusterServingRuntime", "InferenceService"}
+# session-affinity.yaml: the gateways' CRDs (no schema in kubernetes-validate); see test_session_affinity
+AFFINITY_KINDS = {"DestinationRule", "HTTPRoute", "BackendTrafficPolicy"}
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -338,8 +340,8 @@ def test_kubernetes_manifests_validate(version):
 
     seen = set()
     for path, doc in k8s_docs():
-        if doc["kind"] in KSERVE_KINDS:
-            continue  # CRDs: no schema in kubernetes-validate; see test_kserve_resources
+        if doc["kind"] in KSERVE_KINDS | AFFINITY_KINDS:
+            continue  # CRDs: no schema in kubernetes-validate; see test_kserve_resources, test_session_affinity
         try:
             utils.validate(doc, version, strict=True)
         except utils.ValidationError as exc:
@@ -354,6 +356,26 @@ def test_kubernetes_validate_cli_accepts_every_manifest():
     proc = subprocess.run([tool("kubernetes-validate"), "--strict", *map(str, k8s_files())],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_session_affinity_hashes_on_the_header_clients_send():
+    """docker/k8s/session-affinity.yaml: the Istio DestinationRule and the Envoy Gateway
+    BackendTrafficPolicy hash on the header the clients send (service.sessions.routing.SESSION_HEADER),
+    for the Service of service.yaml, the policy aimed at the HTTPRoute that sends to it."""
+    from service.sessions.routing import SESSION_HEADER
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((K8S / "session-affinity.yaml").read_text())}
+    assert set(docs) == AFFINITY_KINDS
+    service = yaml.safe_load((K8S / "service.yaml").read_text())
+    rule = docs["DestinationRule"]
+    assert rule["apiVersion"].startswith("networking.istio.io/") and rule["spec"]["host"] == service["metadata"]["name"]
+    assert rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"] == {"httpHeaderName": SESSION_HEADER}
+    route, policy = docs["HTTPRoute"], docs["BackendTrafficPolicy"]
+    assert [b["name"] for r in route["spec"]["rules"] for b in r["backendRefs"]] == [service["metadata"]["name"]]
+    assert {"kind": "HTTPRoute", "name": route["metadata"]["name"]}.items() <= policy["spec"]["targetRefs"][0].items()
+    lb = policy["spec"]["loadBalancer"]
+    assert lb["type"] == "ConsistentHash"
+    assert lb["consistentHash"] == {"type": "Header", "header": {"name": SESSION_HEADER}}
 
 
 def _core_validator(definition: str):

@@ -26,6 +26,7 @@ from service.grpc.codec import offload, result_bytes
 from service.grpc.errors import abort, error_status
 from service.grpc.protogen import attention_stubs
 from service.grpc.sessions import SessionServicer
+from service.sessions import routing
 from service.settings import Settings
 from service.wire.tensors import ServerTiming
 
@@ -294,6 +295,7 @@ def create_server(engine, settings: Settings) -> grpc.aio.Server:
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else \
         f"{settings.host}:{settings.grpc_port}"
     server.add_insecure_port(address)
+    routing.add_grpc_port(server, settings)  # under --processes: the private socket other processes forward to
     server.attnserve_rpcs = interceptor  # for shutdown()
     return server
 

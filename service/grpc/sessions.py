@@ -16,15 +16,17 @@ Errors are raised as ``ServiceError``s and get their status code in the transpor
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from service.errors import BadRequest
 from service.grpc import codec
 from service.grpc.codec import offload, result_bytes
-from service.sessions import SessionResult, SessionStep
+from service.sessions import SessionResult, SessionStep, routing
 from service.wire.tensors import DTYPE_NAMES
 
 pb = codec.pb
+SERVICE = "/attention.v1.AttentionService/"
 STREAM_WINDOW = 64  # steps one stream may have in flight (then flow control)
 
 
@@ -96,18 +98,33 @@ class SessionServicer:
         res = await self.engine.sessions.step(step)
         return await offload(result_bytes(res.o, res.lse), step_response, res)
 
+    async def _forward(self, target: int, method: str, request, context, response_type):
+        return await routing.forward_grpc(self.engine.settings, target, SERVICE + method, request, context,
+                                          response_type)
+
     async def CreateSession(self, request, context):
+        target = routing.grpc_owner(self.engine.settings, [request.session] if request.session else [], context)
+        if target is not None:  # under --processes: the call goes to the process that holds the session
+            return await self._forward(target, "CreateSession", request, context, pb.SessionInfo)
         return session_info(self.engine.sessions.create(**create_options(request)))
 
     async def SessionAttend(self, request, context):
+        target = routing.grpc_owner(self.engine.settings, list(request.sessions), context)
+        if target is not None:
+            return await self._forward(target, "SessionAttend", request, context, pb.AttendResponse)
         return await self._session_step(request, codec.deadline_of(context))
 
     async def SessionAttendStream(self, request_iterator, context):
         deadline = codec.deadline_of(context)
+        in_order: dict[int, asyncio.Lock] = {}  # a step for another process: one at a time per process, in order
 
         async def one(i: int, request):
             rid = request.request_id or str(i)
             try:  # decoded inline: steps reach the manager in stream order
+                target = routing.grpc_owner(self.engine.settings, list(request.sessions), context)
+                if target is not None:
+                    async with in_order.setdefault(target, asyncio.Lock()):
+                        return await self._forward(target, "SessionAttend", request, context, pb.AttendResponse)
                 return await self._session_step(request, deadline, rid, inline=True)
             except Exception as exc:  # answered in-band; the stream goes on (cancelling still ends it)
                 return pb.AttendResponse(request_id=rid, error=self.in_band_error(exc))
@@ -116,8 +133,14 @@ class SessionServicer:
             yield response
 
     async def GetSession(self, request, context):
+        target = routing.grpc_owner(self.engine.settings, [request.session], context)
+        if target is not None:
+            return await self._forward(target, "GetSession", request, context, pb.SessionInfo)
         return session_info(self.engine.sessions.describe(request.session))
 
     async def DeleteSession(self, request, context):
+        target = routing.grpc_owner(self.engine.settings, [request.session], context)
+        if target is not None:
+            return await self._forward(target, "DeleteSession", request, context, pb.DeleteSessionResponse)
         await self.engine.sessions.delete(request.session)
         return pb.DeleteSessionResponse()

@@ -45,6 +45,7 @@ from service.errors import (
     QueueFull,
     ServiceError,
 )
+from service.sessions import routing
 from service.sessions.cache import Geometry, KVCache, SequenceKV
 from service.sessions.scheduler import Seq, StepScheduler, Work
 from service.sessions.step import MAX_HEAD_DIM, STEP_DTYPES, SessionResult, SessionStep, check_session_id
@@ -77,10 +78,11 @@ class SessionTable:
     def __init__(self, max_sessions: int, idle_s: float):
         self.max_sessions, self.idle_s = max_sessions, idle_s
         self.sessions: dict[str, Session] = {}
+        self.make_id: Callable[[], str] = lambda: uuid.uuid4().hex  # routing.new_session_id under --processes
 
     def new_id(self, session: str | None) -> str:
         if session is None or session == "":
-            return uuid.uuid4().hex
+            return self.make_id()
         check_session_id(session)
         if session in self.sessions:
             raise Conflict(f"session {session!r} exists; choose another id, or leave it out")
@@ -128,6 +130,7 @@ class SessionManager:
         self.settings, self.metrics = settings, metrics
         self.workers = list(workers)
         self.table = SessionTable(settings.max_sessions, settings.session_idle_s)
+        self.table.make_id = routing.new_session_id(settings)  # ids this process owns (sessions/routing.py)
         self.caches: list[KVCache] = []
         self.schedulers: list[StepScheduler] = []
         self._accepting, self._held_elsewhere = accepting, held_elsewhere

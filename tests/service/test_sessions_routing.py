@@ -1,0 +1,165 @@
+"""Sessions across processes (API.md §10, service/sessions/routing.py): under --processes 2 a session
+call reaches the process that holds the session whichever process accepted the connection, over
+HTTP and gRPC; GET /sessions is the union; a packed step across processes is a 422 naming the groups."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import httpx
+import pytest
+import safetensors.torch as st
+import torch
+from conftest import run_server
+
+from service.client import GrpcAttentionClient
+from service.errors import ServiceError
+from service.sessions import routing
+
+HKV, HQ, D = 2, 4, 16
+ST = {"Content-Type": "application/x-safetensors"}
+FWD = routing.FORWARDED
+
+
+def test_owner_is_a_pure_function_and_server_ids_land_home():
+    assert routing.owner("abc", 2) == __import__("zlib").crc32(b"abc") % 2
+    assert routing.owner("abc", 1) == 0
+    p = routing.Peers.parse("1/3@/tmp/x")
+    assert (p.index, p.count, p.folder, p.http_path(2)) == (1, 3, "/tmp/x", "/tmp/x/http-2.sock")
+    for bad in ("3/3@/tmp/x", "1/3", "a/b@/x", "1@/x"):
+        with pytest.raises(ValueError):
+            routing.Peers.parse(bad)
+
+    class S:
+        peers = "1/3@/tmp/x"
+
+    draw = routing.new_session_id(S())
+    assert all(routing.owner(draw(), 3) == 1 for _ in range(50))
+    with pytest.raises(ServiceError, match="process 0: .*process 1: "):
+        routing.single_owner(routing.Peers(0, 2, "/x"), [s for s in map(str, range(10))])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("routing"), "--processes", "2", "--warmup-shapes", "1x1x16x16",
+                    "--warmup-dtypes", "float32") as s:
+        yield s
+
+
+def call(method: str, url: str, **kw) -> httpx.Response:
+    """One call on a new connection (either process may accept it); a process still warming: retry."""
+    for _ in range(200):
+        r = httpx.request(method, url, timeout=60, **kw)
+        if r.status_code != 503:
+            return r
+        time.sleep(0.1)
+    return r
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def attention(url, q, k, v):
+    r = call("POST", url + "/attention", params={"causal": "true"}, headers=ST,
+             content=st.save({"q": q, "k": k, "v": v}))
+    assert r.status_code == 200, r.text
+    return st.load(r.content)["o"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="--processes")
+def test_http_steps_reach_their_process(server):
+    url = server.url
+    ids = []
+    for i in range(10):  # half client-chosen, half server-made
+        body = {"num_kv_heads": HKV, "head_dim": D, "dtype": "float32"}
+        if i % 2:
+            body["session"] = f"client-{i}"
+        r = call("POST", url + "/sessions", json=body)
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["session"])
+    ks = {s: [] for s in ids}
+    vs = {s: [] for s in ids}
+    fronts = set()
+    forwarded = 0
+    for rnd, n in enumerate((5, 1, 2)):
+        for j, s in enumerate(ids):
+            seed = 1000 * rnd + 10 * j
+            q, k, v = rand(1, HQ, n, D, seed=seed), rand(1, HKV, n, D, seed=seed + 1), rand(1, HKV, n, D, seed=seed + 2)
+            r = call("POST", f"{url}/sessions/{s}/attend", headers={**ST, routing.SESSION_HEADER: s},
+                     content=st.save({"q": q, "k": k, "v": v}))
+            assert r.status_code == 200, r.text
+            ks[s].append(k)
+            vs[s].append(v)
+            want = attention(url, q, torch.cat(ks[s], 2), torch.cat(vs[s], 2))
+            torch.testing.assert_close(st.load(r.content)["o"], want, atol=1e-5, rtol=1e-5)
+            if FWD in r.headers:
+                front, owner = map(int, r.headers[FWD].split("->"))
+                assert owner == routing.owner(s, 2) != front
+                forwarded += 1
+                fronts.add(front)
+    assert forwarded and len(fronts) == 2, (forwarded, fronts)  # both processes forwarded some
+    listing = call("GET", url + "/sessions").json()
+    assert listing["processes"] == 2 and sorted(listing["sessions"]) == sorted(ids) and listing["count"] == 10
+    for s in ids:
+        assert call("GET", f"{url}/sessions/{s}").json()["lengths"] == [8]
+
+    # a packed step: one process's sessions together are served; across processes a 422 naming the groups
+    home = [s for s in ids if routing.owner(s, 2) == 0][:2]
+    q, k, v = rand(2, HQ, D, seed=7), rand(2, HKV, D, seed=8), rand(2, HKV, D, seed=9)
+    for _ in range(3):
+        r = call("POST", url + "/sessions/attend", params={"sessions": ",".join(home)}, headers=ST,
+                 content=st.save({"q": q, "k": k, "v": v, "q_lengths": torch.tensor([1, 1], dtype=torch.int32)}))
+        assert r.status_code == 200, r.text
+    r = call("POST", url + "/sessions/attend", headers=ST, content=st.save(
+        {"q": q, "k": k, "v": v, "q_lengths": torch.tensor([1, 1], dtype=torch.int32)},
+        metadata={"sessions": ",".join(ids[:2] if routing.owner(ids[0], 2) != routing.owner(ids[1], 2)
+                                       else [home[0], next(s for s in ids if routing.owner(s, 2) == 1)])}))
+    assert r.status_code == 422 and "process 0: " in r.text and "process 1: " in r.text, r.text
+    # DELETE from any connection; then every process says 404
+    for s in ids:
+        assert call("DELETE", f"{url}/sessions/{s}").status_code == 204
+    for s in ids:
+        assert call("GET", f"{url}/sessions/{s}").status_code == 404
+    assert call("GET", url + "/sessions").json()["count"] == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="--processes")
+def test_grpc_steps_reach_their_process(server):
+    url = server.url
+    call("GET", url + "/sessions")  # both processes up
+    with GrpcAttentionClient(server.grpc_target) as first:
+        made = [first.create_session(HKV, D, torch.float32, session=f"g-{i}") for i in range(4)]
+        made += [first.create_session(HKV, D, torch.float32) for _ in range(4)]
+    ids = [s.id for s in made]
+    ks = {s: [] for s in ids}
+    vs = {s: [] for s in ids}
+    for rnd in range(2):
+        for j, s in enumerate(ids):  # a fresh channel per step: the kernel deals them out
+            seed = 500 + 100 * rnd + 10 * j
+            q, k, v = rand(1, HQ, 3, D, seed=seed), rand(1, HKV, 3, D, seed=seed + 1), rand(1, HKV, 3, D, seed=seed + 2)
+            with GrpcAttentionClient(server.grpc_target) as c:
+                o = c.step(s, q, k, v)
+            ks[s].append(k)
+            vs[s].append(v)
+            want = attention(url, q, torch.cat(ks[s], 2), torch.cat(vs[s], 2))
+            torch.testing.assert_close(o, want, atol=1e-5, rtol=1e-5)
+    with GrpcAttentionClient(server.grpc_target) as c:  # a stream naming sessions of both processes, in order
+        steps = [{"sessions": s, "q": rand(1, HQ, 1, D, seed=j), "k": rand(1, HKV, 1, D, seed=j + 1),
+                  "v": rand(1, HKV, 1, D, seed=j + 2)} for j, s in enumerate(ids * 2)]
+        answers = list(c.session_stream(steps))
+        assert len(answers) == len(steps)
+    for s in ids:
+        with GrpcAttentionClient(server.grpc_target) as c:
+            assert c.get_session(s)["lengths"] == [8]
+    for s in ids:
+        with GrpcAttentionClient(server.grpc_target) as c:
+            c.delete_session(s)
+    for s in ids:
+        with GrpcAttentionClient(server.grpc_target) as c, pytest.raises(Exception) as err:
+            c.get_session(s)
+        code = getattr(err.value, "code", None)
+        assert "not_found" in str(err.value).lower() or (callable(code) and code() == grpc.StatusCode.NOT_FOUND), \
+            err.value
