@@ -28,6 +28,7 @@ import kernels
 from service.core.types import LAYOUTS, AttentionRequest, LayerRequest
 from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.settings import Settings
+from service.wire.numbers import check_numbers
 from service.wire.tensors import (  # the safetensors format lives in codec: the client uses it too
     DTYPE_NAMES,
     MAX_DIMS,
@@ -294,6 +295,7 @@ def json_tensor(value: Any, name: str, default_dtype: torch.dtype) -> tuple[torc
 def _list_to_tensor(data: list, name: str, dtype: torch.dtype) -> torch.Tensor:
     """Nested list -> tensor of ``dtype``. Integer tensors take integers only, within ``dtype``'s
     range (no silent truncation of 1.5 or wrap-around of 2**40 into int32)."""
+    check_numbers(data, name)  # torch would take true/false as 1/0
     try:
         if dtype.is_floating_point:
             return torch.tensor(data, dtype=torch.float32).to(dtype)

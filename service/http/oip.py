@@ -22,6 +22,7 @@ from service.core.types import AttentionRequest, LayerRequest
 from service.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
 from service.http import codec
 from service.settings import Settings
+from service.wire.numbers import check_numbers
 from service.wire.tensors import (
     OIP_DTYPES,
     OIP_NAMES,
@@ -193,6 +194,7 @@ def _decode_inputs(doc: dict, binary: memoryview, names: tuple[str, ...]) -> dic
 
 def _flatten(data: list, name: str) -> list:
     """OIP JSON data is flat row-major; nested lists are accepted too (as Triton does)."""
+    check_numbers(data, f"input {name!r}: data")  # before torch takes true/false as 1/0
     if not data or not isinstance(data[0], list):
         return data
     try:
