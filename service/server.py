@@ -21,6 +21,7 @@ import uvicorn
 
 from service.core import metrics
 from service.core.engine import Engine
+from service.http.limits import limited_protocol
 from service.http.uvicorn_patch import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
 from service.settings import Settings
 
@@ -153,7 +154,7 @@ async def serve(settings: Settings) -> int:
     bodies = BodyBuffers(engine.on_gpu, settings.pinned_body_bytes)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level.lower(),
-        http=http_protocol(settings.max_body_bytes, bodies),
+        http=limited_protocol(http_protocol(settings.max_body_bytes, bodies), settings),
         lifespan="on", timeout_graceful_shutdown=30, timeout_keep_alive=settings.http_keep_alive_s,
         access_log=settings.access_log,
     )

@@ -171,6 +171,9 @@ class Batcher:
         self._wake.set()
         try:
             return await pending.future
+        except asyncio.CancelledError:
+            self._abandoned(pending)
+            raise
         finally:
             if entry is not None:
                 self._forget(entry)
@@ -178,6 +181,15 @@ class Batcher:
                 pending.future.cancel()
                 self._remove_queued(pending)
                 self._release(pending)
+
+    def _abandoned(self, pending: Pending) -> None:
+        """The caller went away (its task was cancelled: an HTTP client hung up, a gRPC call was
+        cancelled). Queued, it is dropped (``submit``'s ``finally``, as for a deadline); staged
+        behind a running launch, its deadline is set to the past, so that the worker skips it as
+        expired; already running, its launch goes on and the answer is dropped."""
+        self.metrics.cancelled.labels(pending.kind, "launched" if pending.launched else "queued").inc()
+        if pending.launched and not pending.released:
+            pending.request.deadline = float("-inf")
 
     def _answer_now(self, pending: Pending):
         """A request that arrives while the server holds no other: its result from the worker the

@@ -253,9 +253,11 @@ class Worker:
         requests = list(requests)
 
         def settle(outcomes=None, exc=None) -> None:
-            self._compute_duration.observe(time.perf_counter() - t0)
-            self._batch_size.observe(len(requests))
-            self._exec_count.inc()
+            launched = len(requests) if outcomes is None else _launched(outcomes)
+            if launched:  # a launch whose requests had all expired ran nothing: not a launch
+                self._compute_duration.observe(time.perf_counter() - t0)
+                self._batch_size.observe(launched)
+                self._exec_count.inc()
             if answered.done():  # the awaiting coroutine was cancelled
                 return
             if exc is not None:
@@ -744,6 +746,12 @@ class _Part:
     requests: list = field(default_factory=list)
     on_error: Callable[[BaseException, Any], ServiceError] | None = None
     staged_at: float | None = None  # time.perf_counter() once its inputs were staged
+
+
+def _launched(outcomes: list[Outcome]) -> int:
+    """Requests of a launch that ran: all but those ``_launch_all`` skipped as expired (the only
+    DeadlineExceeded a launch gives)."""
+    return sum(not isinstance(o, DeadlineExceeded) for o in outcomes)
 
 
 def _failed(errors: list[ServiceError]) -> _Part:

@@ -30,6 +30,7 @@ from service.auth import check_api_key
 from service.core.metrics import render as render_metrics
 from service.errors import BadRequest, ServiceError, Unavailable
 from service.http import codec
+from service.http.disconnect import unless_gone
 from service.settings import Settings
 from service.wire.tensors import DTYPE_NAMES, ServerTiming
 
@@ -444,7 +445,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
             ),
         )
         timing.mark("decode")
-        result = await engine.attend(req)
+        result = await unless_gone(request, engine.attend(req))
         timing.engine(result.stamps)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await codec.encode_answer(tensors, encoding, big)
@@ -490,7 +491,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
             ),
         )
         timing.mark("decode")
-        result = await engine.call_layer(req)
+        result = await unless_gone(request, engine.call_layer(req))
         timing.engine(result.stamps)
         content, media = await codec.encode_answer({"y": result.y}, encoding, big)
         timing.mark("encode")

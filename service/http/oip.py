@@ -21,6 +21,7 @@ from starlette.responses import Response
 from service.core.types import AttentionRequest, LayerRequest
 from service.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
 from service.http import codec
+from service.http.disconnect import unless_gone
 from service.settings import Settings
 from service.wire.numbers import check_numbers
 from service.wire.tensors import (
@@ -380,14 +381,14 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
             req, wanted = await codec.offload(
                 big, lambda: decode_attention(doc, binary, request_id=rid, deadline=deadline, arrived=arrived)
             )
-            result = await engine.attend(req)
+            result = await unless_gone(request, engine.attend(req))
             outputs = {"o": result.o, "lse": result.lse}
         else:
             req, wanted = await codec.offload(
                 big,
                 lambda: decode_layer(model, doc, binary, request_id=rid, deadline=deadline, arrived=arrived),
             )
-            result = await engine.call_layer(req)
+            result = await unless_gone(request, engine.call_layer(req))
             outputs = {"y": result.y}
         content, headers = await codec.offload(big, encode_response, model, doc, outputs, wanted)
         return codec.respond(content, None, headers)
