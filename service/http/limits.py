@@ -103,11 +103,11 @@ def limited_protocol(base: type[asyncio.Protocol] | str, settings: Settings) -> 
             self._phase = "idle"
 
         def data_received(self, data: bytes) -> None:
-            heads = self._heads
-            if self._phase == "body":
+            heads, phase = self._heads, self._phase
+            if phase == "body":
                 self._since = self._loop_time()
             super().data_received(data)
-            if self._phase != "body" and self._heads == heads and not self.transport.is_closing():
+            if phase != "body" != self._phase and self._heads == heads and not self.transport.is_closing():
                 # a head still incomplete: httptools holds its unfinished field; count what came
                 self._partial += len(data)
                 if self._partial > max_head:
