@@ -266,7 +266,11 @@ class Batcher:
             self._sweep_handle.cancel()
             self._sweep_handle = self._sweep_at = None
         if self._task is not None:
-            self._task.cancel()
+            # Python 3.11's wait_for drops a cancel that comes as its wait ends (the dispatcher was
+            # woken, say by a launch that just finished): the dispatcher then waits for ever
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for pendings in self._queues.values():
