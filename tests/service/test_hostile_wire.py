@@ -265,6 +265,57 @@ DIMS = st.one_of(st.integers(0, 5), st.sampled_from([2**31, 2**40, 2**62, 2**63 
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=3), st.just([1.5]), st.just({}))
 
 
+HUGE = st.sampled_from([2**31, 2**40, 2**62, 2**63 - 1])
+EMPTY_HUGE = st.tuples(st.lists(st.one_of(st.integers(1, 4), HUGE), min_size=1, max_size=4), st.integers(0, 4)).map(
+    lambda t: t[0][: t[1]] + [0] + t[0][t[1]:])  # a zero dim among others that overflow once it is left out
+
+
+@st.composite
+def mutated_safetensors(draw) -> tuple[bytes, bool]:
+    """A good q, k, v file (tensors in any order), or that file with one thing wrong: two entries
+    sharing bytes, a gap, a name twice, bytes left over or missing, an empty shape that overflows."""
+    t = qkv(draw(st.integers(0, 3)))
+    order = draw(st.permutations("qkv"))
+    entries, data = [], b""
+    for n in order:
+        b = t[n].numpy().tobytes()
+        entries.append([n, {"dtype": "F32", "shape": [1, 2, 3, 4], "data_offsets": [len(data), len(data) + len(b)]}])
+        data += b
+    mutation = draw(st.sampled_from(["none", "overlap", "gap", "twice", "more", "less", "empty huge"]))
+    i = draw(st.integers(0, 2))
+    if mutation == "overlap":
+        entries[i][1]["data_offsets"] = list(entries[(i + 1) % 3][1]["data_offsets"])
+    elif mutation == "gap":
+        for e in entries[i:]:
+            e[1]["data_offsets"] = [o + 4 for o in e[1]["data_offsets"]]
+        data = data + bytes(4)
+    elif mutation == "twice":
+        entries.insert(draw(st.integers(0, 3)), [entries[i][0], dict(entries[i][1])])
+    elif mutation == "more":
+        data += bytes(draw(st.integers(1, 8)))
+    elif mutation == "less":
+        data = data[: -draw(st.integers(1, 8))]
+    elif mutation == "empty huge":
+        begin = entries[i][1]["data_offsets"][0]
+        entries[i][1] = {"dtype": "F32", "shape": draw(EMPTY_HUGE), "data_offsets": [begin, begin]}
+        for e in entries[i + 1:]:
+            e[1]["data_offsets"] = [o - 96 for o in e[1]["data_offsets"]]
+        data = data[:-96]
+    head = "{" + ",".join(f"{orjson.dumps(k).decode()}:{orjson.dumps(v).decode()}" for k, v in entries) + "}"
+    return safetensors_file(head, data), mutation == "none"
+
+
+@FUZZ
+@given(case=mutated_safetensors())
+def test_fuzz_mutated_safetensors(http, case):
+    body, good = case
+    r = http.post("/attention", content=body, headers={"content-type": ST})
+    if good:
+        assert r.status_code == 200, r.text
+    else:
+        assert_refused(r)
+
+
 @st.composite
 def safetensors_bodies(draw) -> tuple[bytes, bool]:
     """(a safetensors body, whether the safetensors library reads it): tensors tiled right or
@@ -347,7 +398,7 @@ def json_tensors(draw):
             inner = st.lists(st.one_of(leaf, inner), min_size=1, max_size=3)
         return draw(st.lists(st.lists(st.lists(inner, min_size=1, max_size=2), min_size=1, max_size=2),
                              min_size=1, max_size=2))
-    shape = draw(st.one_of(st.lists(DIMS, max_size=5), st.just([1, 2, 3, 4]), JUNK))
+    shape = draw(st.one_of(st.lists(DIMS, max_size=5), st.just([1, 2, 3, 4]), EMPTY_HUGE, JUNK))
     dtype = draw(st.one_of(st.sampled_from(["float16", "bfloat16", "float32", "int32", "int64", "float64"]),
                            st.none(), JUNK))
     if kind == "flat":
@@ -360,6 +411,36 @@ def json_tensors(draw):
     if dtype is not None:
         obj["dtype"] = dtype
     return obj
+
+
+@st.composite
+def json_with_a_bad_leaf(draw):
+    """Good q, k, v in some encoding, one leaf of one of them (or of kv_lengths) not a number; or an
+    empty typed tensor whose other dims overflow."""
+    t = qkv(draw(st.integers(0, 3)))
+    doc = {n: t[n].tolist() for n in "qkv"}
+    name = draw(st.sampled_from(["q", "k", "v", "kv_lengths"]))
+    leaf = draw(st.sampled_from(BAD_LEAVES))
+    if name == "kv_lengths":
+        doc["kv_lengths"] = [leaf]
+    elif draw(st.booleans()):
+        flat = t[name].reshape(-1).tolist()
+        flat[draw(st.integers(0, 23))] = leaf
+        doc[name] = {"shape": [1, 2, 3, 4], "data": flat}
+        if draw(st.booleans()):  # an empty tensor whose other dims overflow
+            doc[name] = {"shape": draw(EMPTY_HUGE), "data": draw(st.sampled_from([[], ""]))}
+    else:
+        nested = doc[name]
+        a, b, c, d = (draw(st.integers(0, n - 1)) for n in (1, 2, 3, 4))
+        nested[a][b][c][d] = leaf
+    return doc
+
+
+@FUZZ
+@given(doc=json_with_a_bad_leaf())
+def test_fuzz_json_with_a_bad_leaf(http, doc):
+    assert_refused(http.post("/attention", content=orjson.dumps(doc), headers={"content-type": "application/json"}),
+                   {400, 422})
 
 
 @FUZZ
@@ -386,7 +467,7 @@ def oip_binary(draw):
     for n in draw(st.permutations("qkv")):
         size = len(blobs[n])
         claim = draw(st.one_of(st.just(size), st.just(size), st.integers(-2, size + 8), JUNK))
-        shape = draw(st.one_of(st.just([1, 2, 3, 4]), st.lists(DIMS, max_size=5)))
+        shape = draw(st.one_of(st.just([1, 2, 3, 4]), st.lists(DIMS, max_size=5), EMPTY_HUGE))
         datatype = draw(st.sampled_from(["FP32", "FP32", "FP16", "INT64", "BYTES", "fp32"]))
         inputs.append({"name": n, "shape": shape, "datatype": datatype, "parameters": {"binary_data_size": claim}})
         data += blobs[n][: draw(st.sampled_from([size, size, size, size // 2]))]
@@ -416,11 +497,12 @@ def test_fuzzed_framing_leaves_the_server_serving(http, native):
 # ---------------------------------------------------------------- fuzzing: gRPC messages
 
 GRPC_DIMS = st.one_of(st.integers(0, 5), st.sampled_from([-1, -(2**63), 2**31, 2**62, 2**63 - 1]))
+GRPC_SHAPES = st.one_of(st.just([1, 2, 3, 4]), st.lists(GRPC_DIMS, max_size=10), EMPTY_HUGE)
 
 
 @st.composite
 def grpc_tensors(draw):
-    shape = draw(st.one_of(st.just([1, 2, 3, 4]), st.lists(GRPC_DIMS, max_size=10)))
+    shape = draw(GRPC_SHAPES)
     dtype = draw(st.one_of(st.just(3), st.integers(0, 7)))
     n = 96 if draw(st.booleans()) else draw(st.integers(0, 200))
     return apb.Tensor(shape=shape, dtype=dtype, data=bytes(n))
@@ -441,7 +523,7 @@ def oip_requests(draw):
     req = tpb.ModelInferRequest(model_name=draw(st.sampled_from(["attention", "attention", "nope"])))
     raw = draw(st.booleans())
     for n in draw(st.lists(st.sampled_from(["q", "k", "v", "kv_lengths", "x"]), max_size=4)):
-        shape = draw(st.one_of(st.just([1, 2, 3, 4]), st.lists(GRPC_DIMS, max_size=9)))
+        shape = draw(GRPC_SHAPES)
         datatype = draw(st.sampled_from(["FP32", "FP16", "BF16", "INT32", "INT64", "FP64", "BOOL", "", "x"]))
         inp = req.inputs.add(name=n, datatype=datatype, shape=shape)
         count = 24 if draw(st.booleans()) else draw(st.integers(0, 40))
