@@ -25,6 +25,7 @@ import uvicorn
 from service import allocator
 from service.core import metrics
 from service.core.engine import Engine
+from service.http.limits import limited_protocol
 from service.http.uvicorn_patch import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
 from service.sessions import routing
 from service.settings import Settings
@@ -98,7 +99,7 @@ async def serve(settings: Settings) -> int:
         log.info("uvicorn's own HTTP protocol (--no-patch-uvicorn): big bodies are copied on their way in")
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level.lower(),
-        http=protocol,
+        http=limited_protocol(protocol, settings),
         lifespan="on", timeout_graceful_shutdown=30, timeout_keep_alive=settings.http_keep_alive_s,
         access_log=settings.access_log,
     )

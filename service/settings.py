@@ -98,6 +98,27 @@ class Settings(BaseSettings):
         "the clients and load balancers in front (60 s is common), so that a client never sends a request "
         "on a connection the server is closing",
     )
+    max_header_kb: float = Field(
+        64.0, gt=0,
+        description="largest HTTP request head (request line and header fields), in KiB: 431 past it, and "
+        "the connection is closed (httptools holds an unfinished header field in memory)",
+    )
+    max_headers: int = Field(100, gt=0, description="most header fields in one HTTP request (431 past it)")
+    max_url_kb: float = Field(
+        16.0, gt=0, lt=64, description="longest HTTP request URL, in KiB (414 past it; httptools parses "
+        "no URL of 64 KiB or more)",
+    )
+    header_timeout_s: float = Field(
+        30.0, gt=0,
+        description="an HTTP request head (request line and headers) must arrive whole within this many "
+        "seconds of its first byte (of the connection, for its first request): 408 and the connection "
+        "closed otherwise",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0,
+        description="an HTTP request body that stops arriving for this many seconds is dropped: 408 and "
+        "the connection closed",
+    )
     request_timeout_ms: float = Field(
         60000.0, gt=0,
         description="default deadline of a request; X-Request-Timeout-Ms or a gRPC deadline overrides it",

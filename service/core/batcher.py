@@ -180,6 +180,9 @@ class Batcher:
         self._wake.set()
         try:
             return await pending.future
+        except asyncio.CancelledError:
+            self._abandoned(pending)
+            raise
         finally:
             if entry is not None:
                 self._forget(entry)
@@ -187,6 +190,15 @@ class Batcher:
                 pending.future.cancel()
                 self._remove_queued(pending)
                 self._release(pending)
+
+    def _abandoned(self, pending: Pending) -> None:
+        """The caller went away (its task was cancelled: an HTTP client hung up, a gRPC call was
+        cancelled). Queued, it is dropped (``submit``'s ``finally``, as for a deadline); staged
+        behind a running launch, its deadline is set to the past, so that the worker skips it as
+        expired; already running, its launch goes on and the answer is dropped."""
+        self.metrics.cancelled.labels(pending.kind, "launched" if pending.launched else "queued").inc()
+        if pending.launched and not pending.released:
+            pending.request.deadline = float("-inf")
 
     def _answer_now(self, pending: Pending):
         """A request that arrives while the server holds no other: its result from the worker the
@@ -263,7 +275,11 @@ class Batcher:
             self._sweep_handle.cancel()
             self._sweep_handle = self._sweep_at = None
         if self._task is not None:
-            self._task.cancel()
+            # Python 3.11's wait_for drops a cancel that comes as its wait ends (the dispatcher was
+            # woken, say by a launch that just finished): the dispatcher then waits for ever
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for pendings in self._queues.values():

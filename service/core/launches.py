@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from service.core.types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
-from service.errors import ServiceError
+from service.errors import DeadlineExceeded, ServiceError
 
 Outcome = AttentionResult | LayerResult | ServiceError
 
@@ -38,6 +38,12 @@ class Part:
 
 def failed(errors: list[ServiceError]) -> Part:
     return Part(split=lambda: list(errors))
+
+
+def launched(outcomes: list[Outcome]) -> int:
+    """Requests of a launch that ran: all but those skipped as expired (the only
+    DeadlineExceeded a launch gives)."""
+    return sum(not isinstance(o, DeadlineExceeded) for o in outcomes)
 
 
 def finish_all(parts: list[Part]) -> list[Outcome]:

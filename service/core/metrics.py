@@ -39,6 +39,14 @@ class Metrics:
             ["kind", "reason"],
             registry=r,
         )
+        self.cancelled = Counter(
+            "attnserve_requests_cancelled",
+            "Requests whose caller went away (HTTP client disconnected, gRPC call cancelled) before "
+            "the answer: 'queued' ones were dropped unlaunched; 'launched' ones had been handed to a worker "
+            "(skipped there unless already running)",
+            ["kind", "stage"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "attnserve_inference_queue_depth",
             "Requests waiting in the batcher (not yet launched)",

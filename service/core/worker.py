@@ -172,9 +172,11 @@ class Worker:
         def settle(outcomes=None, exc=None) -> None:
             self._inflight -= 1
             self._inflight_tokens -= tokens
-            self._compute_duration.observe(time.perf_counter() - t0)
-            self._batch_size.observe(len(requests))
-            self._exec_count.inc()
+            launched = len(requests) if outcomes is None else launches.launched(outcomes)
+            if launched:  # a launch whose requests had all expired ran nothing: not a launch
+                self._compute_duration.observe(time.perf_counter() - t0)
+                self._batch_size.observe(launched)
+                self._exec_count.inc()
             if answered.done():  # the awaiting coroutine was cancelled
                 return
             if exc is not None:

@@ -58,6 +58,7 @@ def _inputs(request, model: oip.Model) -> dict[str, torch.Tensor]:
         if field is None:
             raise BadRequest(f"input {name!r}: {inp.datatype} data must come in raw_input_contents")
         values = getattr(inp.contents, field)
+        wire.check_shape(shape, f"input {inp.name!r}")  # no reshape to a shape torch cannot size
         numel = 1
         for d in shape:
             numel *= d

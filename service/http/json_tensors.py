@@ -18,6 +18,7 @@ import orjson
 import torch
 
 from service.errors import BadRequest, PayloadTooLarge
+from service.wire.numbers import check_numbers
 from service.wire.tensors import (
     DTYPE_NAMES,
     MAX_DIMS,
@@ -103,6 +104,7 @@ def flat_tensor(data: Any, shape: list[int], dtype: torch.dtype, name: str) -> t
     Triton accepts them) -> a tensor of ``shape`` and ``dtype``."""
     if not isinstance(data, list):
         raise BadRequest(f"{name}: data must be a list of numbers")
+    check_numbers(data, f"{name}: data")  # before torch takes true/false as 1/0
     if data and isinstance(data[0], list):
         try:
             data = torch.tensor(data, dtype=torch.float64).reshape(-1).tolist()
@@ -114,6 +116,7 @@ def flat_tensor(data: Any, shape: list[int], dtype: torch.dtype, name: str) -> t
 def _list_to_tensor(data: list, name: str, dtype: torch.dtype) -> torch.Tensor:
     """Nested list -> tensor of ``dtype``. Integer tensors take integers only, within ``dtype``'s
     range (no silent truncation of 1.5 or wrap-around of 2**40 into int32)."""
+    check_numbers(data, name)  # torch would take true/false as 1/0
     try:
         if dtype.is_floating_point:
             return torch.tensor(data, dtype=torch.float32).to(dtype)

@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from service.errors import BadRequest, PayloadTooLarge, Unavailable, UnsupportedMediaType
 from service.http import body
+from service.http.disconnect import unless_gone
 from service.http.json_tensors import flat_tensor, parse_json
 from service.http.openapi import OIP_INFER_OPENAPI
 from service.settings import Settings
@@ -222,7 +223,7 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         call, wanted = await body.offload(
             big, lambda: decode(spec, doc, binary, request_id=rid, deadline=deadline, arrived=arrived)
         )
-        outputs = await oip.infer(engine, call)
+        outputs = await unless_gone(request, oip.infer(engine, call))
         content, headers = await body.offload(big, encode_response, model, doc, outputs, wanted)
         return body.respond(content, None, headers)
 

@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from service.errors import UnsupportedMediaType
 from service.http import body, codec
+from service.http.disconnect import unless_gone
 from service.http.openapi import ATTENTION_OPENAPI, LAYER_OPENAPI
 from service.settings import Settings
 from service.wire.tensors import DTYPE_NAMES, ServerTiming
@@ -66,7 +67,7 @@ def add_native_routes(app: FastAPI, engine: Any, settings: Settings) -> None:
                            deadline=deadline, arrived=arrived),
         )  # fmt: skip
         timing.mark("decode")
-        tensors, stamps = await run(req)
+        tensors, stamps = await unless_gone(request, run(req))  # a client that hangs up is not computed for
         timing.engine(stamps)
         content, media = await codec.encode_answer(tensors, encoding, big)
         timing.mark("encode")

@@ -6,6 +6,7 @@ No transport logic here.
 from __future__ import annotations
 
 import ctypes
+import json
 import struct
 import sys
 import time
@@ -49,6 +50,8 @@ OIP_NAMES: dict[torch.dtype, str] = {v: k for k, v in OIP_DTYPES.items()}
 
 
 MAX_DIMS = 8  # deepest tensor we decode; also bounds nested-list recursion
+MAX_DIM = 2**31 - 1  # largest single dim of a decoded tensor (the kernels index in int32)
+MAX_EXTENT = 2**40  # largest product of a shape's dims, zero dims counted as 1 (see check_extent)
 MAX_SAFETENSORS_HEADER = 1 << 20  # q, k, v, kv_lengths and option strings need < 1 KiB
 SAFETENSORS_IGNORED_METADATA = ("format",)  # written by transformers/safetensors tools ("pt")
 
@@ -84,6 +87,7 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, shape: list[int], dt
     """
     if any((not isinstance(d, int)) or d < 0 for d in shape):
         raise BadRequest(f"{name}: shape must be a list of non-negative integers, got {shape}")
+    check_extent(shape, name)
     numel = 1
     for d in shape:
         numel *= d
@@ -175,14 +179,17 @@ def uninitialized_bytearray(n: int) -> bytearray:
 # ---------------------------------------------------------------- shapes and safetensors files
 
 
-def check_shape(shape: Any, name: str) -> list[int]:
-    """A shape given in JSON (native tensor objects, OIP inputs): at most MAX_DIMS integers >= 0."""
+def check_shape(shape: Any, name: str, extent: bool = True) -> list[int]:
+    """A shape given in JSON (native tensor objects, OIP inputs): at most MAX_DIMS integers >= 0
+    (and, with ``extent``, within ``check_extent``'s bounds)."""
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise BadRequest(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative integers")
+    if extent:
+        check_extent(shape, name)
     return shape
 
 
@@ -201,6 +208,23 @@ def kv_lengths_int32(t: torch.Tensor | None) -> torch.Tensor | None:
     if int(t.min()) < -(2**31) or int(t.max()) >= 2**31:  # not t.abs(): abs(-2**63) overflows
         return t
     return t.to(torch.int32)
+
+
+def check_extent(shape: list[int], name: str) -> None:
+    """422 unless ``shape`` (integers >= 0) has at most MAX_DIMS dims, each at most MAX_DIM, whose
+    product with zero dims counted as 1 is at most MAX_EXTENT: checked before any allocation, since
+    torch sizes even an empty tensor's strides from the other dims ([2**63, 0] overflows int64)."""
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(f"{name}: shape {shape} has {len(shape)} dims, more than {MAX_DIMS}")
+    extent = 1
+    for d in shape:
+        if d > MAX_DIM:
+            raise InvalidInput(f"{name}: shape {shape} has a dim over {MAX_DIM} (2**31 - 1)")
+        extent *= max(d, 1)
+    if extent > MAX_EXTENT:
+        raise InvalidInput(
+            f"{name}: shape {shape} is too large (its non-zero dims multiply to {extent}, over 2**40)"
+        )
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -224,6 +248,7 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
         raise BadRequest(f"the safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise BadRequest("the safetensors header must be a JSON object")
+    check_unique_names(memoryview(body)[8 : 8 + hlen])
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise BadRequest("safetensors __metadata__ must map names to strings")
@@ -233,7 +258,7 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
         try:
             dtype = ST_DTYPES[info["dtype"]]
             shape = check_shape(info["shape"], name)
-            begin, end = check_shape(info["data_offsets"], name)  # two integers >= 0
+            begin, end = check_shape(info["data_offsets"], name, extent=False)  # two integers >= 0
         except (KeyError, TypeError, ValueError, BadRequest):  # not 'shape': "12" as [1, 2], [1.9] as [1]
             raise BadRequest(
                 f"safetensors entry {name!r} needs a known dtype ({', '.join(ST_DTYPES)}), a shape (a list "
@@ -242,7 +267,63 @@ def parse_safetensors(body: bytearray | bytes) -> tuple[dict[str, torch.Tensor],
         if not begin <= end <= len(data):
             raise BadRequest(f"safetensors entry {name!r}: data_offsets {[begin, end]} lie outside the body")
         tensors[name] = aligned(tensor_from_bytes(data[begin:end], shape, dtype, name))
+    check_data_offsets(header, len(data))
     return tensors, {k: v for k, v in metadata.items() if k not in SAFETENSORS_IGNORED_METADATA}
+
+
+def check_unique_names(raw: memoryview) -> None:
+    """400 when the header names an entry (or a key inside one) twice: JSON parsers let the last
+    win, safetensors forbids it. orjson keeps no trace of duplicates, so the header, which orjson
+    has already read (its nesting and integers bounded), is read once more by the standard
+    library, whose pairs hook sees every key (~6 us for a q, k, v header)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> None:
+        names: set[str] = set()
+        for name, _ in pairs:
+            if name in names:
+                raise _Duplicate(name)
+            names.add(name)
+
+    try:
+        json.loads(bytes(raw), object_pairs_hook=unique)
+    except _Duplicate as dup:
+        raise BadRequest(f"the safetensors header names {dup.args[0]!r} twice") from None
+    except (ValueError, RecursionError):  # orjson read it, so only the standard library's limits
+        raise BadRequest("the safetensors header is not valid JSON (too deeply nested)") from None
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def check_data_offsets(header: dict, size: int) -> None:
+    """400 unless the entries' ``data_offsets`` tile the ``size`` bytes after the header exactly,
+    in some order: no overlap (one tensor reading another's bytes), no gap, nothing past the end
+    (the safetensors format's rule, as its own library checks it)."""
+    spans = []
+    for name, info in header.items():
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+            raise BadRequest(f"safetensors entry {name!r}: data_offsets must be [begin, end], "
+                             f"integers with 0 <= begin <= end, got {offsets!r}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    at, last = 0, None
+    for begin, end, name in spans:
+        if begin < at:
+            raise BadRequest(f"safetensors entry {name!r}: data_offsets {[begin, end]} overlap those of {last!r}")
+        if begin > at:
+            where = f"after {last!r}" if last is not None else "at the start of the data"
+            raise BadRequest(f"safetensors entry {name!r}: data_offsets {[begin, end]} leave a gap {where} "
+                             f"(bytes {at} to {begin})")
+        at, last = end, name
+    if at > size:
+        raise BadRequest(f"safetensors entry {last!r}: data_offsets end at byte {at}, past the "
+                         f"{size} bytes of data")
+    if at < size:
+        raise BadRequest(f"the safetensors data has {size - at} bytes after the last tensor"
+                         + (f" ({last!r})" if last is not None else "") + " that no entry claims")
 
 
 def safetensors_parts(tensors: Mapping[str, torch.Tensor]) -> list[memoryview]:

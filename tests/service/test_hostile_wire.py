@@ -1,0 +1,547 @@
+"""Hostile inputs on every transport, against one real CPU server: shapes that overflow int64
+once their zero dim is ignored, safetensors headers whose data_offsets overlap, leave gaps or run
+past the data, names given twice, JSON booleans (strings, null, objects) where numbers belong; and
+structured fuzzing (hypothesis) of the safetensors header, the JSON tensors, the OIP binary framing
+and the gRPC messages. Every answer is a 4xx / INVALID_ARGUMENT-like status (API.md §7), never a
+5xx, INTERNAL or UNKNOWN, and the server keeps serving.
+
+The OIP gRPC messages are tritonclient's own (``service.grpc.oip`` must not be imported in a
+process that imports ``tritonclient.grpc``: see ``service.grpc.protogen``).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import grpc
+import httpx
+import orjson
+import pytest
+import torch
+from conftest import run_server
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2 as tpb
+from tritonclient.grpc import service_pb2_grpc as tpb_grpc
+
+from service.grpc.protogen import attention_stubs
+
+apb = attention_stubs().attention_pb2
+apb_grpc = attention_stubs().attention_pb2_grpc
+
+ST = "application/x-safetensors"
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HTTP_REFUSALS = {400, 413, 415, 422}
+GRPC_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND}
+# a zero dim, the others overflowing int64 (or 2**40 elements) once it is left out
+OVERFLOWING = [[2**63 - 1, 0, 1, 1], [2**62, 4, 0, 1], [2**31, 0, 1, 1], [2**20, 2**20, 0, 2]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("hostile-wire"), "--warmup-shapes", "1x1x16x16",
+                    "--warmup-dtypes", "float32", "--max-body-mb", "8") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def native(channel):
+    return apb_grpc.AttentionServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def oip(channel):
+    return tpb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def qkv(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(1, 2, 3, 4, generator=g) for n in "qkv"}
+
+
+def expected(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(t["q"], t["k"], t["v"])
+
+
+def safetensors_file(header: dict | str, data: bytes = b"") -> bytes:
+    head = header if isinstance(header, str) else orjson.dumps(header).decode()
+    raw = head.encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def good_safetensors(t: dict[str, torch.Tensor]) -> bytes:
+    header, data = {}, b""
+    for name, x in t.items():
+        b = x.numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(x.shape), "data_offsets": [len(data), len(data) + len(b)]}
+        data += b
+    return safetensors_file(header, data)
+
+
+def assert_serving(http, native) -> None:
+    """A good request still answers right, over HTTP and gRPC."""
+    t = qkv(7)
+    r = http.post("/attention", json={n: x.tolist() for n, x in t.items()})
+    assert r.status_code == 200, r.text
+    assert torch.allclose(torch.tensor(r.json()["o"]), expected(t), atol=1e-5)
+    resp = native.Attend(apb.AttendRequest(**{n: grpc_tensor(x) for n, x in t.items()}), timeout=30)
+    o = torch.frombuffer(bytearray(resp.o.data), dtype=torch.float32).view(list(resp.o.shape))
+    assert torch.allclose(o, expected(t), atol=1e-5)
+
+
+def grpc_tensor(x: torch.Tensor):
+    return apb.Tensor(shape=list(x.shape), dtype=apb.FLOAT32, data=x.numpy().tobytes())
+
+
+def assert_refused(r: httpx.Response, statuses=HTTP_REFUSALS) -> dict:
+    assert r.status_code in statuses, (r.status_code, r.text)
+    body = r.json()
+    if r.request.url.path.startswith("/v2"):
+        assert isinstance(body["error"], str)
+    else:
+        assert set(body["error"]) == {"code", "message"}
+    return body
+
+
+def message(body: dict) -> str:
+    return body["error"] if isinstance(body["error"], str) else body["error"]["message"]
+
+
+def grpc_status(call, *args, **kwargs) -> grpc.StatusCode:
+    try:
+        call(*args, timeout=30, **kwargs)
+    except grpc.RpcError as exc:
+        assert exc.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), exc.details()
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+# ---------------------------------------------------------------- 1. shapes that overflow
+
+
+@pytest.mark.parametrize("shape", OVERFLOWING, ids=str)
+def test_overflowing_empty_shapes_are_refused_on_every_transport(http, native, oip, shape):
+    one = qkv()
+    small = {"shape": [1, 2, 3, 4], "data": one["k"].reshape(-1).tolist()}
+    entry = {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}
+    k = one["k"].numpy().tobytes()
+    header = {"q": entry, "k": {"dtype": "F32", "shape": [1, 2, 3, 4], "data_offsets": [0, len(k)]},
+              "v": {"dtype": "F32", "shape": [1, 2, 3, 4], "data_offsets": [len(k), 2 * len(k)]}}
+    answers = [
+        http.post("/attention", content=safetensors_file(header, k + k), headers={"content-type": ST}),
+        http.post("/attention", json={"q": {"shape": shape, "data": []}, "k": small, "v": small}),
+        http.post("/attention", json={"q": {"shape": shape, "dtype": "float16", "data": ""}, "k": small, "v": small}),
+        http.post("/layers/none", json={"x": {"shape": shape[:3], "data": []}}),
+    ]
+    inputs = [{"name": "q", "shape": shape, "datatype": "FP32", "data": []},
+              *({"name": n, "shape": [1, 2, 3, 4], "datatype": "FP32", "data": small["data"]} for n in "kv")]
+    answers.append(http.post("/v2/models/attention/infer", json={"inputs": inputs}))
+    head = orjson.dumps({"inputs": [{"name": "q", "shape": shape, "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 0}}, *inputs[1:]]})
+    answers.append(http.post("/v2/models/attention/infer", content=head,
+                             headers={"Inference-Header-Content-Length": str(len(head))}))
+    for r in answers:
+        if r.request.url.path == "/layers/none" and r.status_code == 404:
+            continue  # no layer loaded: the shape may be checked first or not; never a 5xx
+        body = assert_refused(r, {422})
+        assert "shape" in message(body) and str(shape[0]) in message(body)
+
+    bad = apb.Tensor(shape=shape, dtype=apb.FLOAT32, data=b"")
+    assert grpc_status(native.Attend, apb.AttendRequest(q=bad, k=grpc_tensor(one["k"]), v=grpc_tensor(one["v"]))) \
+        == grpc.StatusCode.INVALID_ARGUMENT
+    for raw in (True, False):
+        req = tpb.ModelInferRequest(model_name="attention")
+        for n in "qkv":
+            inp = req.inputs.add(name=n, datatype="FP32", shape=shape if n == "q" else [1, 2, 3, 4])
+            data = b"" if n == "q" else one[n].numpy().tobytes()
+            if raw:
+                req.raw_input_contents.append(data)
+            else:
+                inp.contents.fp32_contents.extend([] if n == "q" else one[n].reshape(-1).tolist())
+        assert grpc_status(oip.ModelInfer, req) == grpc.StatusCode.INVALID_ARGUMENT
+    assert_serving(http, native)
+
+
+# ---------------------------------------------------------------- 2. safetensors data_offsets, names
+
+
+def _entry(offsets, shape=(1, 2, 3, 4)):
+    return {"dtype": "F32", "shape": list(shape), "data_offsets": list(offsets)}
+
+
+N = 96  # bytes of one [1, 2, 3, 4] float32 tensor
+
+SAFETENSORS_CASES = {
+    "overlap": ({"q": _entry([0, N]), "k": _entry([N // 2, N // 2 + N]), "v": _entry([2 * N, 3 * N])}, 3 * N, "'k'"),
+    "alias": ({"q": _entry([0, N]), "k": _entry([0, N]), "v": _entry([N, 2 * N])}, 2 * N, "overlap"),
+    "gap": ({"q": _entry([0, N]), "k": _entry([N + 8, 2 * N + 8]), "v": _entry([2 * N + 8, 3 * N + 8])},
+            3 * N + 8, "'k'"),
+    "gap at the start": ({"q": _entry([8, N + 8]), "k": _entry([N + 8, 2 * N + 8]),
+                          "v": _entry([2 * N + 8, 3 * N + 8])}, 3 * N + 8, "'q'"),
+    "past the end": ({"q": _entry([0, N]), "k": _entry([N, 2 * N]), "v": _entry([2 * N, 3 * N])}, 3 * N - 4, "'v'"),
+    "bytes left over": ({"q": _entry([0, N]), "k": _entry([N, 2 * N]), "v": _entry([2 * N, 3 * N])}, 3 * N + 4,
+                        "4 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAFETENSORS_CASES))
+def test_safetensors_offsets_must_tile_the_data(http, native, case):
+    header, size, named = SAFETENSORS_CASES[case]
+    r = http.post("/attention", content=safetensors_file(header, bytes(size)), headers={"content-type": ST})
+    body = assert_refused(r, {400})
+    assert named in message(body), message(body)
+
+
+@pytest.mark.parametrize("twice", ["k", "dtype"])
+def test_safetensors_names_given_twice_are_refused(http, native, twice):
+    t = qkv()
+    data = b"".join(t[n].numpy().tobytes() for n in "qkv")
+    q, k, v = (orjson.dumps(_entry([i * N, (i + 1) * N])).decode() for i in range(3))
+    if twice == "k":
+        head = f'{{"q":{q},"k":{k},"k":{k},"v":{v}}}'
+    else:
+        head = f'{{"q":{q[:-1]},"dtype":"F16"}},"k":{k},"v":{v}}}'
+    r = http.post("/attention", content=safetensors_file(head, data), headers={"content-type": ST})
+    body = assert_refused(r, {400})
+    assert f"'{twice}' twice" in message(body)
+    assert_serving(http, native)
+
+
+def test_a_file_the_safetensors_library_writes_is_served(http):
+    from safetensors.torch import save
+
+    t = qkv(3)
+    r = http.post("/attention", content=save(t, metadata={"causal": "true"}), headers={"content-type": ST})
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- 3. numbers only in JSON tensors
+
+BAD_LEAVES = [True, False, None, "1.0", {"a": 1}]
+
+
+@pytest.mark.parametrize("leaf", BAD_LEAVES, ids=repr)
+def test_json_tensors_hold_numbers_only(http, native, leaf):
+    t = qkv()
+    nested = t["q"].tolist()
+    nested[0][1][2][3] = leaf
+    flat = t["q"].reshape(-1).tolist()
+    flat[5] = leaf
+    good = {n: t[n].tolist() for n in "kv"}
+    cases = [
+        ("/attention", {"q": nested, **good}, "q[0][1][2][3]"),
+        ("/attention", {"q": {"shape": [1, 2, 3, 4], "data": flat}, **good}, "q[5]"),
+        ("/attention", {**{n: t[n].tolist() for n in "qkv"}, "kv_lengths": [leaf]}, "kv_lengths[0]"),
+    ]
+    for path, doc, where in cases:
+        body = assert_refused(http.post(path, json=doc), {400})
+        assert where in message(body), message(body)
+    inputs = [{"name": n, "shape": [1, 2, 3, 4], "datatype": "FP32", "data": t[n].reshape(-1).tolist()} for n in "kv"]
+    for data, where in ((flat, "data[5]"), (nested, "data[0][1][2][3]")):
+        doc = {"inputs": [{"name": "q", "shape": [1, 2, 3, 4], "datatype": "FP32", "data": data}, *inputs]}
+        body = assert_refused(http.post("/v2/models/attention/infer", json=doc), {400})
+        assert where in message(body), message(body)
+    assert_serving(http, native)
+
+
+# ---------------------------------------------------------------- fuzzing: safetensors headers
+
+NAMES = ["q", "k", "v", "kv_lengths", "x", ""]
+ST_SIZES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1}
+DIMS = st.one_of(st.integers(0, 5), st.sampled_from([2**31, 2**40, 2**62, 2**63 - 1, -1]))
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=3), st.just([1.5]), st.just({}))
+
+
+HUGE = st.sampled_from([2**31, 2**40, 2**62, 2**63 - 1])
+EMPTY_HUGE = st.tuples(st.lists(st.one_of(st.integers(1, 4), HUGE), min_size=1, max_size=4), st.integers(0, 4)).map(
+    lambda t: t[0][: t[1]] + [0] + t[0][t[1]:])  # a zero dim among others that overflow once it is left out
+
+
+@st.composite
+def mutated_safetensors(draw) -> tuple[bytes, bool]:
+    """A good q, k, v file (tensors in any order), or that file with one thing wrong: two entries
+    sharing bytes, a gap, a name twice, bytes left over or missing, an empty shape that overflows."""
+    t = qkv(draw(st.integers(0, 3)))
+    order = draw(st.permutations("qkv"))
+    entries, data = [], b""
+    for n in order:
+        b = t[n].numpy().tobytes()
+        entries.append([n, {"dtype": "F32", "shape": [1, 2, 3, 4], "data_offsets": [len(data), len(data) + len(b)]}])
+        data += b
+    mutation = draw(st.sampled_from(["none", "overlap", "gap", "twice", "more", "less", "empty huge"]))
+    i = draw(st.integers(0, 2))
+    if mutation == "overlap":
+        entries[i][1]["data_offsets"] = list(entries[(i + 1) % 3][1]["data_offsets"])
+    elif mutation == "gap":
+        for e in entries[i:]:
+            e[1]["data_offsets"] = [o + 4 for o in e[1]["data_offsets"]]
+        data = data + bytes(4)
+    elif mutation == "twice":
+        entries.insert(draw(st.integers(0, 3)), [entries[i][0], dict(entries[i][1])])
+    elif mutation == "more":
+        data += bytes(draw(st.integers(1, 8)))
+    elif mutation == "less":
+        data = data[: -draw(st.integers(1, 8))]
+    elif mutation == "empty huge":
+        begin = entries[i][1]["data_offsets"][0]
+        entries[i][1] = {"dtype": "F32", "shape": draw(EMPTY_HUGE), "data_offsets": [begin, begin]}
+        for e in entries[i + 1:]:
+            e[1]["data_offsets"] = [o - 96 for o in e[1]["data_offsets"]]
+        data = data[:-96]
+    head = "{" + ",".join(f"{orjson.dumps(k).decode()}:{orjson.dumps(v).decode()}" for k, v in entries) + "}"
+    return safetensors_file(head, data), mutation == "none"
+
+
+@FUZZ
+@given(case=mutated_safetensors())
+def test_fuzz_mutated_safetensors(http, case):
+    body, good = case
+    r = http.post("/attention", content=body, headers={"content-type": ST})
+    if good:
+        assert r.status_code == 200, r.text
+    else:
+        assert_refused(r)
+
+
+@st.composite
+def safetensors_bodies(draw) -> tuple[bytes, bool]:
+    """(a safetensors body, whether the safetensors library reads it): tensors tiled right or
+    with their offsets nudged, dtypes and shapes right or wrong, names repeated, metadata values
+    of any JSON type."""
+    entries, at = [], 0
+    for name in draw(st.lists(st.sampled_from(NAMES), max_size=5)):
+        dtype = draw(st.one_of(st.sampled_from(list(ST_SIZES)), JUNK))
+        shape = draw(st.one_of(st.lists(DIMS, max_size=5), JUNK))
+        numel = 1
+        for d in shape if isinstance(shape, list) and all(type(d) is int and 0 <= d < 64 for d in shape) else [0]:
+            numel *= d
+        n = numel * ST_SIZES.get(dtype, 1) if isinstance(dtype, str) else 0
+        begin, end = at, at + n
+        nudge = draw(st.sampled_from([None, None, None, "begin", "end", "junk"]))
+        if nudge == "begin":
+            begin += draw(st.integers(-8, 8))
+        elif nudge == "end":
+            end += draw(st.integers(-8, 8))
+        offsets = draw(JUNK) if nudge == "junk" else [begin, end]
+        entries.append((name, {"dtype": dtype, "shape": shape, "data_offsets": offsets}))
+        at = max(at, end)
+    if draw(st.booleans()):
+        meta = draw(st.dictionaries(st.sampled_from(["causal", "scale", "format", "casual"]),
+                                    st.one_of(st.sampled_from(["true", "0.5", "pt", "x"]), JUNK), max_size=3))
+        entries.insert(draw(st.integers(0, len(entries))), ("__metadata__", meta))
+    head = "{" + ",".join(f"{orjson.dumps(k).decode()}:{orjson.dumps(v).decode()}" for k, v in entries) + "}"
+    data = bytes(max(0, at + draw(st.sampled_from([0, 0, 0, -4, 4]))))
+    body = safetensors_file(head, data)
+    if draw(st.integers(0, 9)) == 0:  # a broken length prefix
+        body = struct.pack("<Q", draw(st.integers(0, 2**64 - 1))) + body[8:]
+    try:
+        from safetensors.torch import load
+
+        load(body)
+        readable = True
+    except Exception:  # noqa: BLE001 - SafetensorsError, or whatever the format refuses
+        readable = False
+    return body, readable
+
+
+@FUZZ
+@given(case=safetensors_bodies())
+def test_fuzz_safetensors_headers(http, case):
+    body, readable = case
+    r = http.post("/attention", content=body, headers={"content-type": ST})
+    if r.status_code != 200:
+        assert_refused(r)
+    else:
+        assert readable, "the server computed a file the safetensors format refuses"
+
+
+def test_fuzzed_safetensors_leave_the_server_serving(http, native):
+    assert_serving(http, native)
+
+
+# ---------------------------------------------------------------- fuzzing: JSON tensors
+
+LEAVES = st.one_of(st.floats(-4, 4, width=32), st.integers(-3, 3), st.booleans(), st.none(),
+                   st.text(max_size=2), st.just({"x": 1}), st.just([]))
+NUMBERS = st.one_of(st.floats(-4, 4, width=32), st.integers(-3, 3))
+
+
+def _bad(value) -> bool:
+    """Whether a nested list holds a leaf that is not a number."""
+    if isinstance(value, list):
+        return any(_bad(v) for v in value)
+    return isinstance(value, bool) or not isinstance(value, int | float)
+
+
+@st.composite
+def json_tensors(draw):
+    kind = draw(st.sampled_from(["good", "nested", "ragged", "flat", "base64", "junk"]))
+    if kind == "good":
+        return torch.randn(1, 2, 3, 4).tolist()
+    if kind in ("nested", "ragged"):
+        leaf = LEAVES if draw(st.booleans()) else NUMBERS
+        inner = st.lists(leaf, min_size=1, max_size=4)
+        if kind == "ragged":
+            inner = st.lists(st.one_of(leaf, inner), min_size=1, max_size=3)
+        return draw(st.lists(st.lists(st.lists(inner, min_size=1, max_size=2), min_size=1, max_size=2),
+                             min_size=1, max_size=2))
+    shape = draw(st.one_of(st.lists(DIMS, max_size=5), st.just([1, 2, 3, 4]), EMPTY_HUGE, JUNK))
+    dtype = draw(st.one_of(st.sampled_from(["float16", "bfloat16", "float32", "int32", "int64", "float64"]),
+                           st.none(), JUNK))
+    if kind == "flat":
+        data = draw(st.one_of(st.lists(LEAVES, max_size=30), st.just(torch.randn(24).tolist())))
+    elif kind == "base64":
+        data = base64.b64encode(draw(st.binary(max_size=100))).decode() + draw(st.sampled_from(["", "", "!"]))
+    else:
+        data = draw(JUNK)
+    obj = {"shape": shape, "data": data}
+    if dtype is not None:
+        obj["dtype"] = dtype
+    return obj
+
+
+@st.composite
+def json_with_a_bad_leaf(draw):
+    """Good q, k, v in some encoding, one leaf of one of them (or of kv_lengths) not a number; or an
+    empty typed tensor whose other dims overflow."""
+    t = qkv(draw(st.integers(0, 3)))
+    doc = {n: t[n].tolist() for n in "qkv"}
+    name = draw(st.sampled_from(["q", "k", "v", "kv_lengths"]))
+    leaf = draw(st.sampled_from(BAD_LEAVES))
+    if name == "kv_lengths":
+        doc["kv_lengths"] = [leaf]
+    elif draw(st.booleans()):
+        flat = t[name].reshape(-1).tolist()
+        flat[draw(st.integers(0, 23))] = leaf
+        doc[name] = {"shape": [1, 2, 3, 4], "data": flat}
+        if draw(st.booleans()):  # an empty tensor whose other dims overflow
+            doc[name] = {"shape": draw(EMPTY_HUGE), "data": draw(st.sampled_from([[], ""]))}
+    else:
+        nested = doc[name]
+        a, b, c, d = (draw(st.integers(0, n - 1)) for n in (1, 2, 3, 4))
+        nested[a][b][c][d] = leaf
+    return doc
+
+
+@FUZZ
+@given(doc=json_with_a_bad_leaf())
+def test_fuzz_json_with_a_bad_leaf(http, doc):
+    assert_refused(http.post("/attention", content=orjson.dumps(doc), headers={"content-type": "application/json"}),
+                   {400, 422})
+
+
+@FUZZ
+@given(q=json_tensors(), k=json_tensors(), v=json_tensors())
+def test_fuzz_json_tensors(http, q, k, v):
+    r = http.post("/attention", content=orjson.dumps({"q": q, "k": k, "v": v}),
+                  headers={"content-type": "application/json"})
+    if r.status_code != 200:
+        assert_refused(r)
+    else:
+        for t in (q, k, v):
+            data = t.get("data") if isinstance(t, dict) else t
+            assert not (isinstance(data, list) and _bad(data)), "a non-number was computed as a number"
+
+
+# ---------------------------------------------------------------- fuzzing: OIP binary framing
+
+
+@st.composite
+def oip_binary(draw):
+    t = qkv()
+    blobs = {n: t[n].numpy().tobytes() for n in "qkv"}
+    inputs, data = [], b""
+    for n in draw(st.permutations("qkv")):
+        size = len(blobs[n])
+        claim = draw(st.one_of(st.just(size), st.just(size), st.integers(-2, size + 8), JUNK))
+        shape = draw(st.one_of(st.just([1, 2, 3, 4]), st.lists(DIMS, max_size=5), EMPTY_HUGE))
+        datatype = draw(st.sampled_from(["FP32", "FP32", "FP16", "INT64", "BYTES", "fp32"]))
+        inputs.append({"name": n, "shape": shape, "datatype": datatype, "parameters": {"binary_data_size": claim}})
+        data += blobs[n][: draw(st.sampled_from([size, size, size, size // 2]))]
+    outputs = draw(st.sampled_from([None, [{"name": "o", "parameters": {"binary_data": True}}], [{"name": "z"}]]))
+    doc = {"inputs": inputs} if outputs is None else {"inputs": inputs, "outputs": outputs}
+    head = orjson.dumps(doc)
+    data += bytes(draw(st.sampled_from([0, 0, 0, 3])))
+    length = draw(st.one_of(st.just(str(len(head))), st.just(str(len(head))),
+                            st.integers(-5, len(head) + len(data) + 5).map(str), st.sampled_from(["", "x", "1e3"])))
+    return head + data, length
+
+
+@FUZZ
+@given(case=oip_binary())
+def test_fuzz_oip_binary_framing(http, case):
+    body, length = case
+    r = http.post("/v2/models/attention/infer", content=body,
+                  headers={"Inference-Header-Content-Length": length, "content-type": "application/octet-stream"})
+    if r.status_code != 200:
+        assert_refused(r)
+
+
+def test_fuzzed_framing_leaves_the_server_serving(http, native):
+    assert_serving(http, native)
+
+
+# ---------------------------------------------------------------- fuzzing: gRPC messages
+
+GRPC_DIMS = st.one_of(st.integers(0, 5), st.sampled_from([-1, -(2**63), 2**31, 2**62, 2**63 - 1]))
+GRPC_SHAPES = st.one_of(st.just([1, 2, 3, 4]), st.lists(GRPC_DIMS, max_size=10), EMPTY_HUGE)
+
+
+@st.composite
+def grpc_tensors(draw):
+    shape = draw(GRPC_SHAPES)
+    dtype = draw(st.one_of(st.just(3), st.integers(0, 7)))
+    n = 96 if draw(st.booleans()) else draw(st.integers(0, 200))
+    return apb.Tensor(shape=shape, dtype=dtype, data=bytes(n))
+
+
+@FUZZ
+@given(q=grpc_tensors(), k=grpc_tensors(), v=grpc_tensors(), layout=st.sampled_from(["", "bnhd", "nope"]),
+       lengths=st.one_of(st.none(), grpc_tensors()))
+def test_fuzz_native_grpc_tensors(native, q, k, v, layout, lengths):
+    msg = apb.AttendRequest(q=q, k=k, v=v, layout=layout)
+    if lengths is not None:
+        msg.kv_lengths.CopyFrom(lengths)
+    assert grpc_status(native.Attend, msg) in GRPC_REFUSALS | {grpc.StatusCode.OK}
+
+
+@st.composite
+def oip_requests(draw):
+    req = tpb.ModelInferRequest(model_name=draw(st.sampled_from(["attention", "attention", "nope"])))
+    raw = draw(st.booleans())
+    for n in draw(st.lists(st.sampled_from(["q", "k", "v", "kv_lengths", "x"]), max_size=4)):
+        shape = draw(GRPC_SHAPES)
+        datatype = draw(st.sampled_from(["FP32", "FP16", "BF16", "INT32", "INT64", "FP64", "BOOL", "", "x"]))
+        inp = req.inputs.add(name=n, datatype=datatype, shape=shape)
+        count = 24 if draw(st.booleans()) else draw(st.integers(0, 40))
+        if raw:
+            req.raw_input_contents.append(bytes(count * draw(st.sampled_from([1, 2, 4, 8]))))
+        else:
+            inp.contents.fp32_contents.extend([0.5] * count)
+            inp.contents.int64_contents.extend([1] * draw(st.integers(0, 2)))
+    if raw and draw(st.integers(0, 4)) == 0:
+        req.raw_input_contents.append(b"extra")
+    return req
+
+
+@FUZZ
+@given(req=oip_requests())
+def test_fuzz_oip_grpc_requests(oip, req):
+    assert grpc_status(oip.ModelInfer, req) in GRPC_REFUSALS | {grpc.StatusCode.OK}
+
+
+def test_fuzzed_grpc_leaves_the_server_serving(http, native):
+    assert_serving(http, native)
