@@ -28,11 +28,11 @@ from .launch import _COMPILED_MAX, _compiled_plain, _run, clear_on_switch, direc
 from .plan import _cdiv, _combine_launch, _num_sms, kv_length_arg, tell
 
 _16BIT = (torch.float16, torch.bfloat16)
-TMA_MIN_N = 2048  # min(Nq, Nk) below which attn_fwd is as fast (see docs/benchmarks/kernels.md#tma)
-# min(Nq, Nk) below which the Triton kernels are as fast as attn_fwd_ws (docs/benchmarks/kernels.md#gluon)
+TMA_MIN_N = 2048  # min(Nq, Nk) below which attn_fwd is as fast (see docs/benchmarks/kernels.md#prefill)
+# min(Nq, Nk) below which the Triton kernels are as fast as attn_fwd_ws (docs/benchmarks/kernels.md#prefill)
 GLUON_MIN_N = 256
 GLUON_MIN_N_CAUSAL = 2048
-_GLUON_BLOCK_N = 128  # keys per block of attn_fwd_ws (64 is slower: docs/benchmarks/kernels.md#gluon)
+_GLUON_BLOCK_N = 128  # keys per block of attn_fwd_ws (64 is slower: docs/benchmarks/kernels.md#prefill)
 _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 # attn_decode: keys per block, by D, and blocks in flight per program
 DECODE_BLOCK_N = {64: 128, 128: 64}
@@ -206,7 +206,7 @@ def causal_heads_per_group(k: torch.Tensor, heads: int, group: int) -> int:
     together, in groups of even size: as many as have their K and V fit in twice the L2 (GQA:
     ``group`` query heads share a kv head's). All heads' longest row blocks first balances the tail,
     but once their K/V outgrow L2 each program reads its blocks from HBM
-    (see docs/benchmarks/kernels.md#gluon)."""
+    (see docs/benchmarks/kernels.md#prefill)."""
     per_head = 2 * k.shape[2] * k.shape[3] * k.element_size() / group
     fit = max(1, int(2 * _l2_bytes(k.device) // per_head))
     return _cdiv(heads, _cdiv(heads, fit))
@@ -326,7 +326,7 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     # non-causal: persistent, one program an SM (its shared memory allows no second), so a tile's
     # Q load and O store overlap its neighbours' work. Causal: a program a tile, as tiles differ in
     # length and the hardware's scheduler balances them better than a fixed stride
-    # (docs/benchmarks/kernels.md#gluon)
+    # (docs/benchmarks/kernels.md#prefill)
     programs = tiles if causal else min(tiles, _num_sms(q.device))
     return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=232)
 

@@ -10,7 +10,7 @@ and, while it is on, ``malloc_trim(0)`` once the server has been idle for --memo
 
 Why: a request body is a fresh buffer. With glibc's defaults anything over 32 MiB is mmap'd when it
 arrives and unmapped when the request ends, so every big request page-faults its whole body in
-again; reused, it is read several times faster (see docs/benchmarks/service.md#allocator). A
+again; reused, it is read several times faster (see docs/benchmarks/service.md#soak). A
 thread's own arena grows in heaps of at most 64 MiB, so anything bigger that a worker or encoder
 thread allocates would be mmap'd fresh each time whatever the threshold; one arena also lets
 ``malloc_trim`` give back nearly all of an idle server's heap. Small allocations barely contend:

@@ -1,7 +1,7 @@
 """``--processes N``: N server processes behind the same HTTP and gRPC ports (by default one per GPU).
 
 One process serves every request through one event loop and one GIL; that loop, not the GPU, bounds
-what the service answers (see docs/benchmarks/service.md#processes). With N processes each has its
+what the service answers (see docs/benchmarks/service.md#throughput). With N processes each has its
 own loop, engine and batcher:
 
 - the devices are dealt out: with N <= the device count, process i gets devices i, i+N, ...;
@@ -53,7 +53,7 @@ def process_count(settings: Settings) -> int:
     on the CPU (or when ``--device`` is not valid: the lone server then says why it cannot start).
 
     Why one per GPU: two workers behind one event loop answer about what one GPU does, two
-    processes about twice that (see docs/benchmarks/service.md#processes)."""
+    processes about twice that (see docs/benchmarks/service.md#throughput)."""
     if settings.processes:
         return settings.processes
     from service.core.devices import resolve_devices

@@ -263,7 +263,7 @@ def test_gpu_idle_release_frees_the_cached_pinned_staging():
         assert result.o.is_pinned()
         del result  # o's pinned buffer too is now unused
         # the worker's threads done first: a release right after the answer found one block still
-        # in use, twice on H200 hosts (the finisher thread answers before its call returns, so
+        # in use (the finisher thread answers before its call returns, so
         # its frame may still hold the answers then)
         await engine.drain()
         held = blocks()
@@ -273,7 +273,7 @@ def test_gpu_idle_release_frees_the_cached_pinned_staging():
 
     before, held, left = asyncio.run(main())
     # Blocks, counted from a baseline taken after a collection: in bytes without a baseline one
-    # block of an earlier test was still owned (x2 host, 2026-11-30).
+    # block of an earlier test was still owned.
     assert held > before and left <= before, (before, held, left)  # blocks may be reused within the call
 
 

@@ -356,7 +356,7 @@ def test_a_big_declared_body_is_read_straight_into_one_buffer():
 def test_idle_keep_alive_connections_stay_open(tmp_path):
     """An idle keep-alive connection outlives uvicorn's default 5 s (``--http-keep-alive-s``, 75 by
     default): a client that reuses it after a pause must not meet a connection the server is
-    closing (Locust users building 128 MiB bodies on busy CPUs did, H200 host, 2026-11-30). With
+    closing (Locust users building 128 MiB bodies on busy CPUs do). With
     ``--http-keep-alive-s 1`` the server closes it."""
     import time
 

@@ -17,7 +17,7 @@ program works through its tiles (``_work`` gives their order) with three roles s
 Causal (bottom-right) tiles load no key block past their last row's diagonal and mask only the
 blocks that cross a warpgroup's diagonal. What Triton's own ``warp_specialize`` of ``attn_fwd_tma``
 could not express: that overlap inside a warpgroup, stages released per consumer, and a pipeline
-that runs across tiles; hence it is faster than both at D 128 (see docs/benchmarks/kernels.md#gluon).
+that runs across tiles; hence it is faster than both at D 128 (see docs/benchmarks/kernels.md#prefill).
 """
 
 from __future__ import annotations

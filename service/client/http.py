@@ -53,7 +53,7 @@ def _read_body(r: urllib3.BaseHTTPResponse) -> bytearray:
 
     Read through http.client's response under urllib3's: urllib3's ``readinto`` reads into a new
     ``bytes`` and copies that, and http.client's ``read(n)`` does the same once more, each a fresh
-    buffer to fault in (what that costs a large answer: docs/benchmarks/service.md#http-transport).
+    buffer to fault in (what that costs a large answer: docs/benchmarks/service.md#latency).
     The server never compresses."""
     length = r.headers.get("content-length")
     if length is None:
@@ -79,7 +79,7 @@ class AttentionClient(SessionsMixin):
     """A synchronous client (urllib3, connection pooling); safe to share between threads.
 
     urllib3 rather than httpx: httpx is many times slower on large safetensors calls and no faster
-    on small ones (docs/benchmarks/service.md#http-transport). POSTs are never retried (a retried
+    on small ones (docs/benchmarks/service.md#latency). POSTs are never retried (a retried
     call costs the GPU twice).
     """
 

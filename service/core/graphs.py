@@ -6,7 +6,7 @@ The first request of a shape asks for a graph and takes the usual path; the work
 thread captures the graph after that launch. A replay runs the very kernels (same configs, same
 split plan) that a launch of this shape runs, so its answer is bit for bit the usual one. It skips
 the host time of a lone small launch: staging, the kernel launch in Python, two thread hand-offs
-and the loop's wake-ups (see docs/benchmarks/service.md#cuda-graphs).
+and the loop's wake-ups (see docs/benchmarks/service.md#latency).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def stage(
     stream (entered once per batch); the ``compute`` stream then waits for them. Small groups share
     one pinned buffer and one transfer, since each transfer and each pinned tensor costs host time;
     a big group gets its own, so that its transfer runs while the next group is staged
-    (see docs/benchmarks/service.md#staging).
+    (see docs/benchmarks/service.md#throughput).
     """
     if copy_in is None:
         return [None if g is None else concat(*g, pin=False) for g in groups]
@@ -132,7 +132,7 @@ def copy_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
 
     A small contiguous part of dst's dtype is one ``memmove`` (ctypes releases the GIL for it):
     ATen's copy forks and joins its OpenMP team per part, which costs more than the copy itself
-    for small parts (see docs/benchmarks/service.md#staging). Big parts keep ATen's parallel copy."""
+    for small parts (see docs/benchmarks/service.md#throughput). Big parts keep ATen's parallel copy."""
     b0 = 0
     base = dst.data_ptr()
     row = math.prod(dst.shape[1:]) * dst.element_size()

@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 # Decoding/encoding goes to a thread (off the event loop) only when it costs more than the two
 # thread hand-offs: JSON is parsed and printed number by number, binary tensors (safetensors, OIP
-# binary data) are views or plain copies. The thresholds: docs/benchmarks/service.md#http-transport.
+# binary data) are views or plain copies. The thresholds: docs/benchmarks/service.md#latency.
 OFFLOAD_JSON_BYTES = 1 << 18
 OFFLOAD_BINARY_BYTES = 16 << 20
 
@@ -103,7 +103,7 @@ async def offload(big: bool, fn: Callable[..., T], *args: Any) -> T:
 class PartsResponse(Response):
     """A response whose body is sent as several buffers, never joined: a tensor's bytes go from
     its own memory to the socket (the event loop keeps a view of what the socket has not taken);
-    joining a large answer into one buffer costs a copy of it (docs/benchmarks/service.md#http-transport)."""
+    joining a large answer into one buffer costs a copy of it (docs/benchmarks/service.md#latency)."""
 
     def __init__(self, parts: Sequence[memoryview | bytes], media_type: str | None, headers: Mapping[str, str]):
         self.parts = [p for p in parts if len(p)]

@@ -25,7 +25,7 @@ from service.wire.tensors import DTYPE_NAMES, ServerTiming
 class DirectRoute(APIRoute):
     """A route whose endpoint takes the ``Request`` alone and returns a ``Response``: called as it
     is, without FastAPI's per-call dependency solving and response handling (what that costs a
-    small call: docs/benchmarks/service.md#http-transport). It is documented, routed and answered
+    small call: docs/benchmarks/service.md#latency). It is documented, routed and answered
     on errors like any other route."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:

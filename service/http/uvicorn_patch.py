@@ -38,7 +38,7 @@ class BodyBuffers:
     """Where direct reads put request bodies: page-locked memory for GPU workers, else the heap.
 
     A body in pinned memory goes to the GPU from where it lies: the worker skips its copy into a
-    pinned staging buffer (a large share of a big request's launch: docs/benchmarks/service.md#http-transport).
+    pinned staging buffer (a large share of a big request's launch: docs/benchmarks/service.md#latency).
     Pinning memory is slow (``cudaHostAlloc`` locks every page) and must not stall the event loop, so
     buffers are kept here for reuse, in power-of-two sizes, and made in a thread: a body that finds
     no free buffer of its size reads into the heap, and one of that size is made for the next.
@@ -117,7 +117,7 @@ def hand_over_request_bodies() -> bool:
 
     Its httptools cycle collects a body into a bytearray and answers ``receive()`` with
     ``bytes(self.body)``: one more copy of every byte, on the event loop. Handing the bytearray
-    over (and starting a new one) saves that copy (docs/benchmarks/service.md#http-transport). The
+    over (and starting a new one) saves that copy (docs/benchmarks/service.md#latency). The
     receive below is uvicorn's own but for that line, so it is installed only on the uvicorn version
     it was read from; on another, bodies are copied as uvicorn copies them.
     """
@@ -160,7 +160,7 @@ def http_protocol(gather_bytes: int, allocate: Callable[[int], Body] | None = No
     the handler wakes once and takes the whole body as it is (``hand_over_request_bodies``: no
     copy). Reading on without the app holds no more memory than before: the handler keeps every
     byte of a body anyway, up to ``--max-body-mb``, which is what ``gather_bytes`` is. What it
-    saves in the read phase: docs/benchmarks/service.md#http-transport.
+    saves in the read phase: docs/benchmarks/service.md#latency.
 
     Direct reads: each piece of a body still costs three copies on the way (the socket's into a
     new ``bytes``, httptools' ``on_body`` into another, that one into the gathered buffer). A body
