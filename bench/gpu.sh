@@ -62,9 +62,9 @@ export PYTHONUNBUFFERED=1
 
 read -r -a PYTEST_EXTRA <<< "${PYTEST_ARGS:-}"
 read -r -a KERNELS_EXTRA <<< "${KERNELS_ARGS:-}"
-KERNEL_TESTS=(tests/test_triton_forward.py tests/test_backward.py tests/test_flash_plan.py)
-SERVICE_TESTS=(tests/test_batcher.py tests/test_engine.py tests/test_layers.py tests/test_processes.py
-               tests/test_server.py)
+KERNEL_TESTS=(tests/kernels/test_triton_forward.py tests/kernels/test_backward.py tests/kernels/test_flash_plan.py)
+SERVICE_TESTS=(tests/service/test_batcher.py tests/service/test_engine.py tests/service/test_layers.py tests/service/test_processes.py
+               tests/service/test_server.py)
 
 CELL_S=${CELL_S:-8}
 PREFILL_CELL_S=${PREFILL_CELL_S:-45}

@@ -1,6 +1,6 @@
 #!/bin/sh
 # The one Python install of attnserve, shared by the Dockerfile (builder stage) and CI
-# (tests/test_deploy.py runs this very script into a fresh venv), so the two cannot drift apart.
+# (tests/deploy/test_deploy.py runs this very script into a fresh venv), so the two cannot drift apart.
 #
 #   docker/install.sh VENV TORCH_SPEC [SRC]
 #

@@ -187,7 +187,8 @@ def cpu_attention(
     kv_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU "auto" path: torch's CPU flash kernel (faster than ``blockwise_attention``; see
-    docs/kernels.md#the-cpu-path-referencecpu_attention), made to keep the contract — bottom-right causal, kv_lengths (one
+    docs/kernels.md#the-cpu-path-referencecpu_attention), made to keep the contract —
+    bottom-right causal, kv_lengths (one
     call per batch row with its keys cut to length), rows with no key -> (0, -inf). Falls back to
     ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd)."""
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):

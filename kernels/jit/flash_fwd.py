@@ -380,7 +380,7 @@ def _tma_cfg(bm, bn, w, s, ws):
 
 
 # A config is listed only once seen correct and fast inside this kernel on the GPU (some that are
-# fast alone are slow here, one warp-specialised config gives NaN; tests/test_triton_forward.py
+# fast alone are slow here, one warp-specialised config gives NaN; tests/kernels/test_triton_forward.py
 # checks each one alone; see docs/benchmarks/kernels.md#prefill).
 TMA_CONFIGS = {
     64: [_tma_cfg(128, 64, 8, 3, False), _tma_cfg(128, 64, 4, 3, False)],

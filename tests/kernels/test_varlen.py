@@ -2,7 +2,7 @@
 
 On the CPU the "flash" kernels run under TRITON_INTERPRET=1 (conftest sets it) at tiny sizes;
 the ``gpu`` tests repeat the tables on CUDA with bfloat16, long and many sequences. Error budget
-as tests/test_triton_forward.py's: at most 2x plain PyTorch's error in the same dtype, plus a
+as tests/kernels/test_triton_forward.py's: at most 2x plain PyTorch's error in the same dtype, plus a
 small absolute slack; and each sequence agrees with kernels.attention run on it alone.
 """
 

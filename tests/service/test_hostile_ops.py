@@ -3,7 +3,7 @@ sockets): a URL too long (414), request heads too large or with too many fields 
 server's memory stays bounded), heads and bodies that stop arriving (408), unparsable requests
 (JSON 400); a client that hangs up, or a gRPC call cancelled, while its request waits in the
 batcher (dropped unlaunched, counted in attnserve_requests_cancelled_total). In-process, with
-the kernel gated (tests/test_batcher.py's Gate): a request cancelled or expired while staged
+the kernel gated (tests/service/test_batcher.py's Gate): a request cancelled or expired while staged
 behind a running launch is skipped, and the launch counters count only requests launched.
 """
 
@@ -283,7 +283,7 @@ def test_an_abandoned_request_is_not_launched(server, transport):
 
 @pytest.fixture
 def gate(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU path, as in tests/test_batcher.py
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU path, as in tests/service/test_batcher.py
 
     def install(**kw) -> Gate:
         g = Gate(kernels.attention, **kw)

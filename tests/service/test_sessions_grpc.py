@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 from conftest import run_server
-from reference64 import attention64
 
 from service.client import AttentionClient, AttentionServiceError, GrpcAttentionClient, Session
+from tests.helpers import attention64
 
 HKV, HQ, D = 2, 4, 16  # GQA 2:1; D = 16 the warmed head dim
 SERVER_ARGS = ("--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32", "--kv-page-tokens", "5",

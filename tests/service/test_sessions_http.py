@@ -13,7 +13,8 @@ import pytest
 import safetensors.torch as st
 import torch
 from conftest import FAST, run_server
-from reference64 import attention64
+
+from tests.helpers import attention64
 
 HKV, HQ, D = 2, 4, 16  # GQA 2:1; D = 16 the warmed head dim
 ST = {"Content-Type": "application/x-safetensors"}

@@ -7,7 +7,6 @@ Two servers per module: ``server`` (defaults, one BERT layer) and ``strict`` (--
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import threading
@@ -24,12 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from layer_fixtures import write_bert
 
-from kernels.reference import reference_attention
 from service.client import GrpcAttentionClient, GrpcAttentionServiceError
 from service.grpc.codec import deadline_of, tensor_from_pb, tensor_to_pb
 from service.grpc.protogen import attention_stubs
 from service.layers import load_layer
 from service.wire.tensors import ServerTiming
+from tests.helpers import assert_close_to_reference
 
 stubs = attention_stubs()
 pb, pb_grpc = stubs.attention_pb2, stubs.attention_pb2_grpc
@@ -54,22 +53,6 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 def make_qkv(shape, dtype, seed):
     return random_qkv(shape, dtype, seed)
 
-
-def assert_close_to_reference(o, q, k, v, *, causal=False, scale=None, kv_lengths=None, lse=None):
-    """Error vs a float64 reference at most ~2x that of plain PyTorch in q's dtype (STYLE 11), plus one
-    output rounding (the plain error can be near zero on small cases)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    opts = dict(causal=causal, scale=scale, kv_lengths=kv_lengths)
-    ref64, lse64 = reference_attention(q.double(), k.double(), v.double(), **opts)
-    plain, _ = reference_attention(q, k, v, **opts)
-    assert o.shape == q.shape and o.dtype == q.dtype
-    err = (o.double() - ref64).abs().max().item()
-    ulp = torch.finfo(q.dtype).eps * ref64.abs().max().item()  # one rounding of the output, for tiny cases
-    budget = 2 * (plain.double() - ref64).abs().max().item() + ulp
-    assert err <= budget, f"max error {err:.3g} over budget {budget:.3g}"
-    if lse is not None:
-        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
-        torch.testing.assert_close(lse.double(), lse64.double(), atol=1e-4, rtol=1e-4)
 
 
 def attend_msg(q, k, v, **fields):

@@ -2,7 +2,7 @@
 no case may produce a 5xx, and every error answer has the contract's JSON error body.
 
 The ASGI app runs in-process over a small engine that validates and computes exactly like the real
-one but without workers (the transport is what is under test here; tests/test_http.py covers the
+one but without workers (the transport is what is under test here; tests/service/http/test_http.py covers the
 real server)."""
 
 from __future__ import annotations

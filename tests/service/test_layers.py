@@ -508,7 +508,7 @@ def test_llama_matches_transformers(tmp_path, hf, cls_name, case):
 
 def test_docs_layer_specs_parse():
     """docs/layers.md's --layer examples are specs the service accepts, and its family table is current."""
-    doc = (Path(__file__).resolve().parent.parent / "docs/layers.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs/layers.md").read_text()
     specs = re.findall(r"--layer (\S+=\S+:\d+)", doc)
     assert specs and all(parse_layer_spec(s) for s in specs)
     for model_type in layers_mod.FAMILY_OF:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_forward import make, plain_attention
+from test_triton_forward import make
 
 import kernels
 from kernels.autograd import flash_attention_autograd, flash_v1_attention_autograd
 from kernels.reference import cpu_attention, reference_attention
+from tests.helpers import plain_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,10 +10,10 @@ import orjson
 import pytest
 import torch
 import tritonclient.http as triton
+from test_http import assert_matches, make
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import FAST, run_server
-from tests.test_http import assert_matches, make
 
 NP = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32}
 OIP = {torch.float16: "FP16", torch.bfloat16: "BF16", torch.float32: "FP32"}

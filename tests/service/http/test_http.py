@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from service.client import AttentionClient, AttentionServiceError
 from tests.conftest import FAST, random_qkv, run_server
+from tests.helpers import attention64, plain_pytorch
 from tests.layer_fixtures import block
-from tests.reference64 import attention64
 
 API_KEY = "s3cret-key"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -68,19 +68,6 @@ def http(server):
 
 make = random_qkv
 
-
-def plain_pytorch(q, k, v, *, causal=False, scale=None, kv_lengths=None):
-    """Plain PyTorch in q's dtype (SDPA with an explicit mask): the error budget's yardstick."""
-    nq, nk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-    j = torch.arange(nk)
-    mask = torch.ones(q.shape[0], 1, nq, nk, dtype=torch.bool)
-    if causal:
-        mask &= (j[None, :] <= torch.arange(nq)[:, None] + nk - nq)[None, None]
-    if kv_lengths is not None:
-        mask &= (j[None, :] < kv_lengths[:, None].long())[:, None, None, :]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return torch.nan_to_num(o, nan=0.0)
 
 
 def assert_matches(o, q, k, v, lse=None, **opts):

@@ -420,7 +420,7 @@ def test_gpu_big_bodies_read_into_pinned_buffers_get_right_answers(tmp_path):
     import torch
 
     from service.client import AttentionClient
-    from tests.reference64 import attention64
+    from tests.helpers import attention64
 
     with run_server(tmp_path, "--device", "cuda:0", *FAST[:2], "--warmup-shapes", "1x8x1024x64",
                     "--warmup-dtypes", "float16") as srv, AttentionClient(srv.url) as client:

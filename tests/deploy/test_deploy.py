@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"

@@ -20,11 +20,12 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 from conftest import run_server
 from layer_fixtures import write_bert
-from test_grpc import FAST_WARMUP, assert_close_to_reference, make_qkv
+from test_grpc import FAST_WARMUP, make_qkv
 from tritonclient.utils import InferenceServerException
 
 from service import errors
 from service.layers import load_layer
+from tests.helpers import assert_close_to_reference
 
 NP = {torch.float16: np.float16, torch.float32: np.float32, torch.bfloat16: ml_dtypes.bfloat16,
       torch.int32: np.int32, torch.int64: np.int64}

@@ -15,6 +15,7 @@ from kernels import hopper, launch
 from kernels.flash import flash_forward
 from kernels.flash_v1 import flash_v1_forward
 from kernels.reference import reference_attention
+from tests.helpers import plain_attention
 
 HAS_CUDA = torch.cuda.is_available()
 # the interpreter's own numpy deprecation noise
@@ -37,22 +38,6 @@ CASES = {
     "long_q": (1, 1, 1, 1025, 17, 59, False, None),
 }
 
-
-def plain_attention(q, k, v, *, causal, scale, kv_lengths=None):
-    """Plain PyTorch in the inputs' own dtype (what a user would write): the error yardstick."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    n_q, n_k = q.shape[2], k.shape[2]
-    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
-    if causal:
-        mask = mask.tril(diagonal=n_k - n_q)
-    mask = mask[None, None]
-    if kv_lengths is not None:
-        mask = mask & (torch.arange(n_k, device=q.device) < kv_lengths[:, None].to(q.device))[:, None, None]
-    s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return p @ v
 
 
 def make(case, dtype, device=DEV, seed=0):
@@ -232,7 +217,7 @@ def _compile_for_sm90(script: str, argv: list[str], tmp_path) -> list[str]:
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
     done = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
                           timeout=300)

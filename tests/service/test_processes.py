@@ -15,7 +15,7 @@ from service.client import GrpcAttentionClient
 from service.processes import deal_devices, process_count
 from service.settings import load_settings
 from tests.conftest import run_server
-from tests.reference64 import attention64
+from tests.helpers import attention64
 
 
 def test_devices_are_dealt_out():

@@ -53,7 +53,7 @@ def _both_ways(q, k, v, kwargs):
 
 
 def test_switch_is_read_at_import():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     code = "import kernels.launch as l; print(l.direct_launch())"
     for value, expected in (("0", "False"), ("1", "True"), (None, "True")):
         env.pop("ATTNSERVE_DIRECT_LAUNCH", None)

@@ -13,7 +13,7 @@ import torch
 import kernels
 from kernels.reference import blockwise_attention, reference_attention
 from tests.conftest import random_qkv
-from tests.reference64 import attention64
+from tests.helpers import attention64
 
 # (B, Hq, Hkv, Nq, Nk, D): why each is awkward
 SHAPES = [
