@@ -36,11 +36,8 @@ from .hopper import (
     tma_refusal,
 )
 from .jit import flash_fwd as kern
-from .launch import (  # noqa: F401 - _compiled, _grid3, _signature: bench/fwd_tma_probe.py reads them here
-    _compiled,
-    _grid3,
+from .launch import (  # noqa: F401 - freeze_autotuning, interpreting: public names of kernels.flash
     _scratch,
-    _signature,
     freeze_autotuning,
     interpreting,
     launch,

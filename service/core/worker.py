@@ -38,7 +38,6 @@ from service.core import launches, staging
 from service.core.devices import parse_dtypes, parse_shapes
 from service.core.graphs import Graphs
 from service.core.launches import Outcome, Part, failed
-from service.core.launches import finish_all as _finish_all  # a module global: bench/diag_latency wraps it
 from service.core.metrics import Metrics
 from service.core.types import AttentionRequest, AttentionResult, LayerRequest
 from service.errors import DeadlineExceeded, InvalidInput, ServiceError, Unavailable, from_kernel_error
@@ -186,7 +185,7 @@ class Worker:
 
         def finish(parts: list[Part], staged: float) -> None:
             try:
-                outcomes = _finish_all(parts)
+                outcomes = launches.finish_all(parts)
                 inputs = max((p.staged_at for p in parts if p.staged_at), default=staged)
                 stamps = (t0, inputs, staged, time.perf_counter())
                 for outcome in outcomes:
