@@ -7,6 +7,7 @@ options beyond decoding belongs to the engine and the kernels.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -97,6 +98,20 @@ def layer_info(info):
 
 
 OFFLOAD_BYTES = 1 << 20  # convert messages bigger than this in a thread, off the event loop
+
+
+def declared_bytes(message) -> int:
+    """The bytes a request's tensors declare, at 8 an element: their shapes' products over every
+    message field with a ``shape`` (attention.v1 Tensor, OIP input). Whether to convert the request
+    off the event loop; ``ByteSize()`` would serialize the whole message to count it."""
+    elements = 0
+    for field in message.DESCRIPTOR.fields:
+        if field.message_type is None or "shape" not in field.message_type.fields_by_name:
+            continue
+        value = getattr(message, field.name)
+        for item in (value,) if hasattr(value, "DESCRIPTOR") else value:
+            elements += math.prod(item.shape)
+    return 8 * elements
 
 
 async def offload(nbytes: int, fn: Callable, *args, **kwargs):

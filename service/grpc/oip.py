@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from service.errors import BadRequest, NotFound
-from service.grpc.codec import deadline_of, offload, result_bytes, run_concurrently
+from service.grpc.codec import deadline_of, declared_bytes, offload, result_bytes, run_concurrently
 from service.grpc.errors import error_status
 from service.grpc.protogen import inference_stubs
 from service.wire import oip
@@ -116,7 +116,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def infer(self, request, deadline: float | None):
         """One ModelInferRequest -> ModelInferResponse (shared by ModelInfer and ModelStreamInfer)."""
         model = oip.find_model(self.engine, request.model_name, request.model_version)
-        call = await offload(request.ByteSize(), _decode, request, model, deadline)
+        call = await offload(declared_bytes(request), _decode, request, model, deadline)
         outputs = await oip.infer(self.engine, call)
         return await offload(result_bytes(*outputs.values()), _response, request, outputs)
 

@@ -58,21 +58,39 @@ class _Malformed:
         self.message = f"the request message does not parse as protobuf ({exc})"
 
 
+class _Unparsed:
+    """A big request's bytes, parsed in a thread by the handler wrapper: grpc calls the deserializer
+    on the event loop, where parsing many large messages would stall every other call."""
+
+    def __init__(self, data: bytes, deserialize):
+        self.data, self.deserialize = data, deserialize
+
+
+def _parse(deserialize, data: bytes):
+    """``deserialize(data)``, or what a message that does not parse becomes (never raises: gRPC
+    would answer UNKNOWN, where the caller's mistake is INVALID_ARGUMENT)."""
+    try:
+        return deserialize(data)
+    except Exception as exc:  # DecodeError and friends
+        return _Malformed(exc)
+
+
 def _lenient(deserialize):
-    """A request deserializer that never raises (gRPC would answer UNKNOWN): INVALID_ARGUMENT instead."""
+    """A request deserializer that never raises and leaves messages over OFFLOAD_BYTES unparsed."""
     if deserialize is None:
         return None
 
     def parse(data: bytes):
-        try:
-            return deserialize(data)
-        except Exception as exc:  # DecodeError and friends
-            return _Malformed(exc)
+        if len(data) > codec.OFFLOAD_BYTES:
+            return _Unparsed(data, deserialize)
+        return _parse(deserialize, data)
 
     return parse
 
 
-def _parsed(request):
+async def _parsed(request):
+    if isinstance(request, _Unparsed):
+        request = await asyncio.to_thread(_parse, request.deserialize, request.data)
     if isinstance(request, _Malformed):
         raise BadRequest(request.message)
     return request
@@ -83,9 +101,10 @@ async def _parsed_stream(requests):
     position): without its request_id, no in-band answer could be matched to it."""
     i = 0
     async for request in requests:
-        if isinstance(request, _Malformed):
-            raise BadRequest(f"stream message #{i} (zero-based): {request.message}")
-        yield request
+        try:
+            yield await _parsed(request)
+        except BadRequest as exc:
+            raise BadRequest(f"stream message #{i} (zero-based): {exc}") from None
         i += 1
 
 
@@ -150,7 +169,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(request, context):
                 async with answering(details, context):
-                    return await behavior(_parsed(request), context)
+                    return await behavior(await _parsed(request), context)
 
             return grpc.unary_unary_rpc_method_handler(unary, _lenient(handler.request_deserializer),
                                                        handler.response_serializer)
@@ -180,7 +199,7 @@ class AttentionServicer(SessionServicer, pb_grpc.AttentionServiceServicer):
     async def _attend(self, request, deadline: float | None, request_id: str | None = None,
                       timing: ServerTiming | None = None):
         timing = ServerTiming() if timing is None else timing
-        req = await offload(request.ByteSize(), codec.attention_request, request, deadline=deadline,
+        req = await offload(codec.declared_bytes(request), codec.attention_request, request, deadline=deadline,
                             request_id=request_id)
         timing.mark("decode")
         res = await self.engine.attend(req)
@@ -209,7 +228,7 @@ class AttentionServicer(SessionServicer, pb_grpc.AttentionServiceServicer):
             yield response
 
     async def CallLayer(self, request, context):
-        req = await offload(request.ByteSize(), codec.layer_request, request,
+        req = await offload(codec.declared_bytes(request), codec.layer_request, request,
                             deadline=codec.deadline_of(context))
         res = await self.engine.call_layer(req)
         return await offload(result_bytes(res.y), codec.layer_response, res)

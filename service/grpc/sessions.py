@@ -21,7 +21,7 @@ from typing import Any
 
 from service.errors import BadRequest
 from service.grpc import codec
-from service.grpc.codec import offload, result_bytes
+from service.grpc.codec import declared_bytes, offload, result_bytes
 from service.sessions import SessionResult, SessionStep, routing
 from service.wire.tensors import DTYPE_NAMES
 
@@ -93,7 +93,7 @@ class SessionServicer:
 
     async def _session_step(self, request, deadline: float | None, request_id: str | None = None,
                             inline: bool = False):
-        nbytes = 0 if inline else request.ByteSize()
+        nbytes = 0 if inline else declared_bytes(request)
         step = await offload(nbytes, session_step, request, deadline=deadline, request_id=request_id)
         res = await self.engine.sessions.step(step)
         return await offload(result_bytes(res.o, res.lse), step_response, res)

@@ -340,8 +340,9 @@ def test_invalid_argument(stub, case):
     "/attention.v1.AttentionService/CallLayer",
     "/inference.GRPCInferenceService/ModelInfer",
 ])
-def test_unparsable_message_is_invalid_argument(channel, method):
-    err = status_of(channel.unary_unary(method), b"\xff\xff\xff", timeout=10)  # raw bytes, not protobuf
+@pytest.mark.parametrize("size", [3, 3 << 20], ids=["small", "big"])  # big ones parse in a thread
+def test_unparsable_message_is_invalid_argument(channel, method, size):
+    err = status_of(channel.unary_unary(method), b"\xff" * size, timeout=10)  # raw bytes, not protobuf
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in err.details()
 
 
@@ -351,7 +352,7 @@ def test_unparsable_message_on_a_stream(channel):
     q, k, v = make_qkv((1, 2, 2, 8, 8, 16), torch.float32, seed=13)
     good = [attend_msg(q, k, v, request_id=f"g{i}").SerializeToString() for i in range(2)]
     stream = channel.stream_stream("/attention.v1.AttentionService/AttendStream")
-    call = stream(iter([*good, b"\xff\xff"]), timeout=10)
+    call = stream(iter([*good, b"\xff" * (3 << 20)]), timeout=10)
     answered = []
     with pytest.raises(grpc.RpcError):
         for raw in call:
