@@ -60,7 +60,7 @@ def _mask(
 def _finish(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax(s) @ v with fully masked rows giving o = 0, lse = -inf (never NaN)."""
     m = s.amax(dim=-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     p = torch.exp(s - m_safe)
     l = p.sum(dim=-1, keepdim=True)  # noqa: E741
     l_safe = torch.where(l > 0, l, torch.ones_like(l))
@@ -110,14 +110,14 @@ def blockwise_attention(
                 s = s.masked_fill(~mask, float("-inf"))
             # online softmax, the seed's steps: m_new, alpha, p, l_new, O update
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m_i - m_safe)
             p = torch.exp(s - m_safe)
             l_i = alpha * l_i + p.sum(dim=-1, keepdim=True)
             o_i = alpha * o_i + torch.matmul(p, vj)
             m_i = m_new
         l_safe = torch.where(l_i > 0, l_i, torch.ones_like(l_i))
-        m_safe = torch.where(torch.isfinite(m_i), m_i, torch.zeros_like(m_i))
+        m_safe = torch.where(m_i == float("-inf"), torch.zeros_like(m_i), m_i)
         out_i = (o_i / l_safe).to(q.dtype)
         lse_i = (m_safe + torch.log(l_i)).squeeze(-1).to(torch.float32)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -177,6 +177,15 @@ def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: int | N
     return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied to a fresh (64-byte-aligned) tensor when it starts elsewhere: the CPU's matmuls
+    round by the operand's address, so a view into a request body (safetensors puts tensors at any
+    8-byte offset) would give other bits than the same numbers sent over another transport."""
+    if t.data_ptr() % 64 == 0 or t.numel() == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def cpu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,6 +200,7 @@ def cpu_attention(
     bottom-right causal, kv_lengths (one
     call per batch row with its keys cut to length), rows with no key -> (0, -inf). Falls back to
     ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd)."""
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -62,6 +62,12 @@ class DeadlineExceeded(ServiceError):
     http_status, grpc_code, code = 504, "DEADLINE_EXCEEDED", "deadline_exceeded"
 
 
+class Cancelled(ServiceError):
+    """The caller went away (an HTTP client hung up, a gRPC call was cancelled): nobody reads this."""
+
+    http_status, grpc_code, code = 499, "CANCELLED", "client_disconnected"
+
+
 class Conflict(ServiceError):
     """A create with an id that is taken (a session)."""
 

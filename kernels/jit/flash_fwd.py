@@ -12,7 +12,9 @@ and launches. The seed's online softmax (steps 1-5) in base 2, with scale·log2(
                                                             by l once at the end)
     lse    = (m + log2 l) · ln 2                           (natural log, what the API returns)
 
-A row that sees no key keeps m = -inf and l = 0: it is written as o = 0, lse = -inf.
+A row that sees no key keeps m = -inf and l = 0: it is written as o = 0, lse = -inf. A NaN or
++inf score makes l NaN: the epilogue tests l != 0 (not l > 0), so that row is written as NaN, the
+IEEE answer, instead of passing for a row with no key.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def attn_fwd(
         D, BLOCK_N, BLOCK_D, True, IS_CAUSAL, DOT_PREC)
 
     # ---- epilogue: O = O / l, lse = (m + log2 l)·ln2; rows with no key -> 0, -inf ----
-    seen = l_i > 0.0
+    seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -261,7 +263,7 @@ def attn_fwd_tma(
         m_i = m_new
 
     # epilogue as attn_fwd's: rows that saw no key (kv_len = 0) -> 0, -inf
-    seen = l_i > 0.0
+    seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     desc_o.store([pid_m * BLOCK_M, 0], (acc / l_safe[:, None]).to(dtype))   # rows past N_Q clipped
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -311,7 +313,7 @@ def attn_combine(
                       + offs_d[None, None, :],
                       mask=c_ok[:, :, None] & (offs_d[None, None, :] < D), other=0.0)
         acc += tl.sum(w_c[:, :, None] * o_c, 0)
-    seen = w_sum > 0.0
+    seen = w_sum != 0.0
     w_safe = tl.where(seen, w_sum, 1.0)
     b = r64 // (H_Q * N_Q)
     h = (r64 // N_Q) % H_Q

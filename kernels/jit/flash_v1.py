@@ -99,7 +99,7 @@ def flash_v1_fwd(
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(s - m_use[:, None])
             l_new = alpha * l_i + tl.sum(p, 1)
-            l_safe = tl.where(l_new > 0.0, l_new, 1.0)
+            l_safe = tl.where(l_new != 0.0, l_new, 1.0)
             # step 5: O_new = (alpha·l_i / l_new)·O_i + P_ij V_j / l_new   (kept in float32)
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             o_new = o_i * (alpha * l_i / l_safe)[:, None] + pv / l_safe[:, None]
@@ -116,7 +116,7 @@ def flash_v1_fwd(
         row_ok = rows < N_Q
         m_i = tl.load(M_PART + row0 + rows, mask=row_ok, other=float("-inf"))
         l_i = tl.load(L_PART + row0 + rows, mask=row_ok, other=0.0)
-        seen = l_i > 0.0
+        seen = l_i != 0.0
         lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(M_PART + row0 + rows, lse, mask=row_ok)
 

@@ -159,7 +159,7 @@ def attn_decode(
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     # a row that saw no key (kv_len 0, an empty split, causal rows above the first key) -> 0, -inf
-    seen = l_i > 0.0
+    seen = l_i != 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
     ro = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))

@@ -177,7 +177,7 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
             it += n_blocks
             qc += 1
         # rows that saw no key (kv_len = 0, or causal rows above the first key) -> o = 0, lse = -inf
-        seen = l_i > 0.0
+        seen = l_i != 0.0
         l_safe = gl.where(seen, l_i, 1.0)
         o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
         tma.store_wait(pendings=0)  # the previous tile's O has left o_tile

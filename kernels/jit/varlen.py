@@ -191,7 +191,7 @@ def ragged_fwd(
         D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, True, IS_CAUSAL, DOT_PREC)
 
     # epilogue: O = O / l, lse = (m + log2 l)·ln2; rows with no key -> 0, -inf
-    seen = l_i > 0.0
+    seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -242,7 +242,7 @@ def ragged_merge(
     w = tl.exp(lse_s - m_use)                                # 0 for padding splits and splits that saw no key
     acc = tl.sum(w[:, None] * o_s, 0)
     w_sum = tl.sum(w, 0)
-    seen = w_sum > 0.0
+    seen = w_sum != 0.0
     w_safe = tl.where(seen, w_sum, 1.0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_d * stride_od, (acc / w_safe).to(O.dtype.element_ty),
              mask=d_ok)

@@ -118,6 +118,10 @@ class Metrics:
             "attnserve_kv_cache_pages_free", "KV cache pages allocated and not held by a session", ["device"],
             registry=r, multiprocess_mode="livesum",
         )
+        self.session_queue_depth = Gauge(
+            "attnserve_session_queue_depth", "Session steps waiting for a launch", ["device"], registry=r,
+            multiprocess_mode="livesum",
+        )
         self.session_expired = Counter(
             "attnserve_session_expired", "Sessions released after --session-idle-s without a step", registry=r
         )
@@ -176,9 +180,10 @@ class Metrics:
         self._sample(self.queue_depth, queued)
         self._sample(self.pending, held)
 
-    def track_sessions(self, device: str, held, used, capacity, pages_free) -> None:
-        """Read a worker's session count and KV cache counters (callables) at each scrape."""
+    def track_sessions(self, device: str, held, used, capacity, pages_free, queued) -> None:
+        """Read a worker's session count, KV cache counters and queued steps (callables) at each scrape."""
         self._sample(self.sessions.labels(device), held)
+        self._sample(self.session_queue_depth.labels(device), queued)
         self._sample(self.kv_used.labels(device), used)
         self._sample(self.kv_capacity.labels(device), capacity)
         self._sample(self.kv_pages_free.labels(device), pages_free)

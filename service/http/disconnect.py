@@ -16,17 +16,15 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from service.errors import ServiceError
+from service.errors import Cancelled
 
 T = TypeVar("T")
 
 CALLBACKS = "attnserve.client_gone"  # key in scope["state"]: what to call when the client hangs up
 
 
-class ClientGone(ServiceError):
+class ClientGone(Cancelled):
     """The client disconnected before its answer was ready (nobody reads this answer)."""
-
-    http_status, grpc_code, code = 499, "CANCELLED", "client_disconnected"
 
 
 def watch_request(scope: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from service.errors import BadRequest, UnsupportedMediaType
 from service.http import body as http_body
 from service.http import codec
+from service.http.disconnect import unless_gone
 from service.http.json_tensors import json_tensor
 from service.sessions import SessionStep
 from service.settings import Settings
@@ -142,7 +143,7 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         big = http_body.worth_offloading(len(body), len(body) if mtype == codec.JSON else 0)
         step, encoding = await http_body.offload(big, lambda: decode(*args, body, mtype, request.query_params, **ids))
         timing.mark("decode")
-        result = await engine.sessions.step(step)
+        result = await unless_gone(request, engine.sessions.step(step))  # a step nobody reads is not launched
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await codec.encode_answer(tensors, encoding, big)
         timing.mark("encode")

@@ -37,6 +37,7 @@ import torch
 
 from service.errors import (
     BadRequest,
+    Cancelled,
     Conflict,
     DeadlineExceeded,
     InsufficientStorage,
@@ -147,10 +148,12 @@ class SessionManager:
             if w.device.type == "cuda":
                 w.memory_budget = max(0, w.memory_budget - cache.capacity_bytes)
             self.caches.append(cache)
-            self.schedulers.append(StepScheduler(w, cache, self.settings, self.metrics))
+            scheduler = StepScheduler(w, cache, self.settings, self.metrics)
+            self.schedulers.append(scheduler)
             self.metrics.track_sessions(
                 w.name, lambda i=i: sum(1 for s in self.table.sessions.values() if s.worker == i),
                 lambda c=cache: c.used_bytes, lambda c=cache: c.capacity_bytes, lambda c=cache: c.pages_free,
+                lambda s=scheduler: len(s.queue),
             )
             log.info("worker %s: KV cache of %.1f MiB for sessions, %d tokens a page", w.name,
                      cache.capacity_bytes / 2**20, cache.page_tokens)
@@ -261,9 +264,21 @@ class SessionManager:
         task = asyncio.ensure_future(self._run(step, works))
         try:
             return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._abandoned(task, works)
+            raise
         except ServiceError as exc:
             self.metrics.failed("session", exc.code)
             raise
+
+    def _abandoned(self, task: asyncio.Future, works: list[Work]) -> None:
+        """The caller went away (an HTTP client hung up, a gRPC call was cancelled). Parts of the
+        step not launched yet never launch, and then the step fails whole: parts that ran are undone,
+        nothing is appended. A step whose every part was launched completes, its answer unread."""
+        gone = Cancelled("the caller went away before the step was launched; nothing was appended")
+        withdrawn = [self.schedulers[w.seqs[0].session.worker].withdraw(w, gone) for w in works]
+        self.metrics.cancelled.labels("session", "queued" if any(withdrawn) else "launched").inc()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it now
 
     def _works(self, step: SessionStep) -> list[Work]:
         by_worker: dict[int, list[Seq]] = {}
@@ -302,7 +317,7 @@ class SessionManager:
                     if not isinstance(o, BaseException):  # this part ran: undo it
                         await self.schedulers[i].run(lambda cache, w=w: [
                             cache.truncate(w.geometry, seq.kv, c) for seq, c in zip(w.seqs, w.before, strict=True)])
-                if not isinstance(error, ServiceError):
+                if not isinstance(error, ServiceError):  # a bug, not the caller's doing
                     log.error("session step failed: %r", error, exc_info=error)
                     error = ServiceError("internal error while running the step; nothing was appended")
                 raise error

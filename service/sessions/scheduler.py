@@ -265,6 +265,15 @@ class StepScheduler:
             self._drop(work)
         self._soon()
 
+    def withdraw(self, work: Work, exc: Exception) -> bool:
+        """Take back a queued work whose caller went away: True when it will never launch (its
+        future then fails with ``exc``)."""
+        if work.launched or work.future.done():
+            return False
+        self._drop(work)
+        work.future.set_exception(exc)
+        return True
+
     def run(self, fn) -> asyncio.Future:
         """Run ``fn(cache)`` on the worker's launcher thread, in order with the launches."""
         return self.worker.run_on_device(lambda lock: (fn(self.cache), None))

@@ -2,7 +2,8 @@
 sockets): a URL too long (414), request heads too large or with too many fields (431: the
 server's memory stays bounded), heads and bodies that stop arriving (408), unparsable requests
 (JSON 400); a client that hangs up, or a gRPC call cancelled, while its request waits in the
-batcher (dropped unlaunched, counted in attnserve_requests_cancelled_total). In-process, with
+batcher or a session step waits for its launch (dropped unlaunched, nothing appended, counted in
+attnserve_requests_cancelled_total). In-process, with
 the kernel gated (tests/service/test_batcher.py's Gate): a request cancelled or expired while staged
 behind a running launch is skipped, and the launch counters count only requests launched.
 """
@@ -276,6 +277,55 @@ def test_an_abandoned_request_is_not_launched(server, transport):
     if transport == "http":
         assert metric(server, "attnserve_http_requests_total", route="/attention", status="499") >= 1
     assert_serving(server)
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_an_abandoned_session_step_is_not_launched_and_appends_nothing(server, transport):
+    """A session step queued behind a long launch, whose client hangs up (HTTP) or cancels (gRPC):
+    it leaves the queue unlaunched, the session keeps its length, the cancellation is counted, and
+    the next step of that session is served."""
+    r = httpx.post(server.url + "/sessions", json={"layers": 1, "num_kv_heads": 1, "head_dim": 16,
+                                                   "dtype": "float32"}, timeout=30)
+    assert r.status_code == 201, r.text
+    sid = r.json()["session"]
+    cancelled = metric(server, "attnserve_requests_cancelled_total", kind="session", stage="queued")
+    tensors = _small()
+    busy = _busy(server)
+    if transport == "http":
+        body = _safetensors(tensors)
+        s = connect(server)
+        s.sendall(b"POST /sessions/%s/attend HTTP/1.1\r\nHost: t\r\nContent-Type: %s\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (sid.encode(), ST.encode(), len(body)) + body)
+        _wait_steps_queued(server, 1)
+        s.close()  # the client hangs up
+    else:
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            stub = apb_grpc.AttentionServiceStub(channel)
+            msg = apb.SessionAttendRequest(sessions=[sid], **{
+                n: apb.Tensor(shape=list(x.shape), dtype=apb.FLOAT32, data=x.numpy().tobytes())
+                for n, x in tensors.items()})
+            call = stub.SessionAttend.future(msg, timeout=60)
+            _wait_steps_queued(server, 1)
+            call.cancel()
+    _wait_steps_queued(server, 0)  # dropped while the long request still runs
+    assert busy.is_alive()
+    busy.join(120)
+    assert metric(server, "attnserve_requests_cancelled_total", kind="session", stage="queued") == cancelled + 1
+    assert httpx.get(f"{server.url}/sessions/{sid}", timeout=30).json()["lengths"] == [0]
+    r = httpx.post(f"{server.url}/sessions/{sid}/attend", content=_safetensors(tensors),
+                   headers={"content-type": ST}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{server.url}/sessions/{sid}", timeout=30).json()["lengths"] == [8]
+    assert httpx.delete(f"{server.url}/sessions/{sid}", timeout=30).status_code in (200, 204)
+    assert_serving(server)
+
+
+def _wait_steps_queued(server, n: float) -> None:
+    for _ in range(300):
+        if metric(server, "attnserve_session_queue_depth") == n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"session queue depth never reached {n}")
 
 
 # ---------------------------------------------------------------- 7, 8: in-process, gated kernel

@@ -175,6 +175,54 @@ def test_overflowing_empty_shapes_are_refused_on_every_transport(http, native, o
     assert_serving(http, native)
 
 
+# ---------------------------------------------------------------- non-finite inputs
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_non_finite_inputs_get_the_same_nan_rows_on_every_transport(http, native, oip, dtype):
+    """+inf in one element of q (row 1) and NaN in one of k (head 1): the rows that meet them are
+    NaN in o, every other row is the right answer, bit for bit the same over safetensors, JSON
+    base64, native gRPC and OIP gRPC (docs/api.md, "Inputs")."""
+    from safetensors.torch import load, save
+
+    g = torch.Generator().manual_seed(3)
+    t = {n: torch.randn(1, 2, 3, 8, generator=g).to(dtype) for n in "qkv"}
+    t["q"][0, 0, 1, 2] = float("inf")
+    t["k"][0, 1, 0, 5] = float("nan")
+    answers = []
+    r = http.post("/attention", content=save(t), headers={"content-type": ST})
+    assert r.status_code == 200, r.text
+    answers.append(load(r.content)["o"])
+    name = {torch.float16: "float16", torch.float32: "float32"}[dtype]
+    doc = {n: {"shape": list(x.shape), "dtype": name, "data": base64.b64encode(x.numpy().tobytes()).decode()}
+           for n, x in t.items()}
+    r = http.post("/attention", json=doc)
+    assert r.status_code == 200, r.text
+    o = r.json()["o"]
+    answers.append(torch.frombuffer(bytearray(base64.b64decode(o["data"])), dtype=dtype).view(o["shape"]))
+    code = {torch.float16: apb.FLOAT16, torch.float32: apb.FLOAT32}[dtype]
+    resp = native.Attend(apb.AttendRequest(**{n: apb.Tensor(shape=list(x.shape), dtype=code,
+                                                              data=x.numpy().tobytes())
+                                              for n, x in t.items()}), timeout=30)
+    answers.append(torch.frombuffer(bytearray(resp.o.data), dtype=dtype).view(list(resp.o.shape)))
+    req = tpb.ModelInferRequest(model_name="attention")
+    for n, x in t.items():
+        req.inputs.add(name=n, datatype={torch.float16: "FP16", torch.float32: "FP32"}[dtype], shape=list(x.shape))
+        req.raw_input_contents.append(x.numpy().tobytes())
+    out = oip.ModelInfer(req, timeout=30)
+    answers.append(torch.frombuffer(bytearray(out.raw_output_contents[0]), dtype=dtype).view(list(t["q"].shape)))
+    for i, a in enumerate(answers[1:]):  # a NaN's sign bit means nothing: NaN where the first has NaN, same bits elsewhere
+        assert torch.equal(a.isnan(), answers[0].isnan())
+        assert torch.equal(a.nan_to_num(0.0), answers[0].nan_to_num(0.0)), (i, (a.nan_to_num(0.0) - answers[0].nan_to_num(0.0)).abs().max())
+    o = answers[0]
+    bad = torch.zeros(1, 2, 3, dtype=torch.bool)
+    bad[0, 0, 1] = True      # q's +inf row
+    bad[0, 1, :] = True      # every row of head 1 sees k's NaN
+    assert o[bad].isnan().all() and torch.isfinite(o[~bad]).all()
+    want = torch.nn.functional.scaled_dot_product_attention(t["q"].double(), t["k"].double(), t["v"].double())
+    assert (o[~bad].double() - want[~bad]).abs().max() < 2e-3
+    assert_serving(http, native)
+
+
 # ---------------------------------------------------------------- 2. safetensors data_offsets, names
 
 

@@ -1,0 +1,149 @@
+"""Non-finite inputs (docs/api.md, "Inputs"): every kernel, dtype and entry point gives the IEEE
+answer. A row whose scores meet a NaN or a +inf (from q or k) is NaN in every element of o and in
+lse; every other row is the float64 answer, as if the bad element were not there. A -inf score is
+a key the row does not see.
+
+Kernels on the CPU: the reference, the blockwise loop, the CPU path, and the Triton kernels under
+TRITON_INTERPRET=1 (fp32 and fp16); the ``gpu`` test repeats every kernel on CUDA in bf16 too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ragged_cases import DEV, cu_of, paginate, randn
+
+from kernels import attention, attention_paged, attention_varlen
+from kernels.reference import blockwise_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton", "ignore::RuntimeWarning")
+INF, NAN = float("inf"), float("nan")
+HAS_CUDA = torch.cuda.is_available()
+
+
+def expected(q, k, v, causal: bool, scale: float):
+    """(bad rows (B, H, Nq) bool, o64, lse64) in float64: bad where a visible score is NaN or +inf."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    s = q64 @ k64.transpose(-1, -2) * scale
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    visible = torch.ones(n_q, n_k, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+    visible = visible.to(s.device)
+    bad = ((s.isnan() | (s == INF)) & visible).any(-1)
+    s = torch.where(visible & ~s.isnan(), s, -INF)
+    s = torch.where(bad[..., None], torch.zeros_like(s), s)  # any value: those rows are checked as NaN
+    keyless = (s == -INF).all(-1, keepdim=True)  # every score -inf: o = 0, lse = -inf (the contract)
+    o64 = torch.where(keyless, 0.0, torch.softmax(torch.where(keyless, 0.0, s), -1) @ v64)
+    return bad, o64, torch.logsumexp(s, -1)
+
+
+def check(o, lse, q, k, v, causal, scale):
+    bad, o64, lse64 = expected(q, k, v, causal, scale)
+    assert bad.any() and not bad.all(), "the case must hold both kinds of row"
+    assert o[bad].isnan().all() and lse[bad].isnan().all(), "a row that met NaN/+inf must be NaN"
+    o, lse, o64, lse64 = o[~bad].double(), lse[~bad].double(), o64[~bad], lse64[~bad]
+    assert torch.isfinite(o).all() and not lse.isnan().any()
+    assert torch.equal(lse == -INF, lse64 == -INF)
+    tol = 1e-4 if q.dtype == torch.float32 else 3e-2
+    assert (o - o64).abs().max() <= tol
+    finite = lse64 > -INF
+    assert (lse[finite] - lse64[finite]).abs().max() <= tol
+
+
+def inputs(dtype, poison: str, n_q=5, n_k=37, d=24, device=DEV):
+    """B 1, H 2 (q, k, v): one bad element placed as ``poison`` says."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (randn(g, 1, 2, n, d, dtype=dtype, device=device) for n in (n_q, n_k, n_k))
+    if poison == "q_inf":
+        q[0, 1, 2, 5] = INF            # row 2 of head 1: scores +-inf
+    elif poison == "q_nan":
+        q[0, 0, 0, 3] = NAN
+    elif poison == "k_inf":
+        k[0, 0, 9, 0] = INF            # rows of head 0 with q[..., 0] > 0 see +inf, the others -inf
+        q[0, 0, :2, 0], q[0, 0, 2:, 0] = q[0, 0, :2, 0].abs(), -q[0, 0, 2:, 0].abs()
+    return q, k, v
+
+
+KERNELS = ["reference", "auto", "flash", "flash_v1"]  # auto on the CPU: torch's CPU kernel
+POISONS = ["q_inf", "q_nan", "k_inf"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention(kernel, dtype, poison, causal):
+    q, k, v = inputs(dtype, poison)
+    o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
+    check(o, lse, q, k, v, causal, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_decode_split_kv(poison):
+    """One query row over 2,000 keys: the flash plan splits the keys and merges the splits' lse."""
+    q, k, v = inputs(torch.float16, "none", n_q=1, n_k=2000, d=16)
+    if poison == "q_inf":
+        q[0, 1, 0, 5] = INF
+    elif poison == "q_nan":
+        q[0, 0, 0, 3] = NAN
+    else:                               # head 0's row meets +inf; head 1's stays good
+        q[0, 0, 0, 0] = q[0, 0, 0, 0].abs()
+        k[0, 0, 1500, 0] = INF
+    o, lse = attention(q, k, v, return_lse=True, kernel="flash")
+    check(o, lse, q, k, v, False, 0.25)
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_blockwise(poison):
+    q, k, v = inputs(torch.float32, poison)
+    o, lse = blockwise_attention(q, k, v, causal=False, scale=0.2, block_k=8)
+    check(o, lse, q, k, v, False, 0.2)
+
+
+def _as_sequences(q, k, v):
+    """(1, H, N, D) -> (N, H, D): one sequence of the packed layout."""
+    return q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("kernel", ["flash", "reference"])
+@pytest.mark.parametrize("poison", POISONS)
+def test_varlen_and_paged_keep_a_bad_sequence_to_itself(kernel, poison):
+    """Sequence 0 holds the bad element; sequence 1, in the same launch, is untouched."""
+    bad_q, bad_k, bad_v = inputs(torch.float16, poison)
+    good_q, good_k, good_v = inputs(torch.float16, "none", n_q=3, n_k=20)
+    seqs = [_as_sequences(bad_q, bad_k, bad_v), _as_sequences(good_q, good_k, good_v)]
+    q = torch.cat([s[0] for s in seqs])
+    k = torch.cat([s[1] for s in seqs])
+    v = torch.cat([s[2] for s in seqs])
+    cu_q, cu_k = cu_of([5, 3]), cu_of([37, 20])
+    o_v, lse_v = attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, kernel=kernel)
+    kp, vp, table = paginate([s[1] for s in seqs], [s[2] for s in seqs], page=16)
+    lens = torch.tensor([37, 20], dtype=torch.int32, device=DEV)
+    o_p, lse_p = attention_paged(q, kp, vp, table.to(DEV), lens, cu_q, causal=True, return_lse=True,
+                                 kernel=kernel)
+    for o, lse in ((o_v, lse_v), (o_p, lse_p)):
+        # back to (1, H, N, D) per sequence
+        o0, l0 = o[:5].transpose(0, 1)[None], lse[:, :5][None]  # lse is (Hq, Tq)
+        o1, l1 = o[5:].transpose(0, 1)[None], lse[:, 5:][None]
+        check(o0, l0, bad_q, bad_k, bad_v, True, 24 ** -0.5)
+        want = attention(good_q, good_k, good_v, causal=True, return_lse=True, kernel=kernel)
+        assert torch.isfinite(o1).all() and torch.isfinite(l1).all()
+        assert (o1.double() - want[0].double()).abs().max() <= 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kernel", ["auto", "flash", "flash_v1", "reference"])
+def test_gpu_every_kernel(kernel, dtype):
+    """On CUDA, every kernel (auto: the Hopper kernels on sm_90) in fp16 and bf16, prefill and decode."""
+    for n_q, n_k, d in ((300, 300, 128), (1, 8192, 128), (64, 1000, 64)):
+        for poison in POISONS:
+            q, k, v = inputs(dtype, poison, n_q=max(n_q, 3), n_k=n_k, d=d, device="cuda")
+            q = q[:, :, -n_q:] if poison != "q_inf" else q
+            if poison != "q_inf":
+                q[0, 0, :, 0] = q[0, 0, :, 0].abs()  # k_inf: every row of head 0 meets +inf
+            for causal in (False, True):
+                o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
+                check(o.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, d ** -0.5)
