@@ -21,7 +21,9 @@
 #                server_batching_*.log, cells/ (each cell's Locust CSVs, *_summary.json, *_final.json)
 #   soak      10 minutes of the mixed mix, HTTP safetensors + gRPC + OIP users, sampling the server's
 #             resident memory, its /metrics GPU memory and nvidia-smi every SAMPLE_S s; the server's
-#             RSS before the load and after IDLE_S s idle -> OUTDIR/soak/ (as loadtest/, plus *_memory.csv)
+#             RSS before the load and after IDLE_S s idle; then SESSION_S s of the sessions mix (64 users:
+#             create, chunked prefill, decode, end), sampling the same series, and the sessions still
+#             held after it (none should be) -> OUTDIR/soak/ (as loadtest/, plus *_memory.csv)
 #   all       every GPU test (pytest -m gpu), then the benchmarks of all four parts, in that order
 #
 # Settings (environment), with their defaults:
@@ -34,7 +36,8 @@
 #             shorter cells at 256 users may finish no request), USERS ("16 64 256"), MIXES ("small
 #             prefill"), TRANSPORTS ("st grpc"), BATCHING ("off on"), PROCESSES (4 Locust processes),
 #             SERVER_ARGS ("--device cuda"), HTTP_PORT (8000), GRPC_PORT (8001), LOCUST_LOGLEVEL (INFO)
-#   soak      SOAK_S (600), SOAK_USERS (128), SOAK_MIX (mixed), SAMPLE_S (5), IDLE_S (25), SOAK_CELLS
+#   soak      SOAK_S (600), SOAK_USERS (128), SOAK_MIX (mixed), SESSION_S (600; 0 skips it),
+#             SESSION_USERS (64), SAMPLE_S (5), IDLE_S (25), SOAK_CELLS
 #             (set to 1: the batching-on matrix after the soak, on the same server); e.g. the prefill
 #             mix at 256 users after a soak (a round of 256 prefill calls can outlast the server's
 #             default 60 s request timeout, hence the longer one):
@@ -76,6 +79,8 @@ PROCESSES=${PROCESSES:-4}            # Locust processes (the server needs CPU to
 SOAK_S=${SOAK_S:-600}
 SOAK_USERS=${SOAK_USERS:-128}
 SOAK_MIX=${SOAK_MIX:-mixed}
+SESSION_S=${SESSION_S:-600}
+SESSION_USERS=${SESSION_USERS:-64}
 SAMPLE_S=${SAMPLE_S:-5}
 IDLE_S=${IDLE_S:-25}
 HTTP_PORT=${HTTP_PORT:-8000}
@@ -251,6 +256,15 @@ soak() {  # $1: the folder; the server runs with batching on
   # --memory-trim-idle-s (10 s by default) the server gives it back: what is left then is what grew.
   sleep "$IDLE_S"
   say "server RSS after ${IDLE_S}s idle: $(rss_mib) MiB"
+  if [ "$SESSION_S" -gt 0 ]; then
+    say "sessions: mix sessions, $SESSION_USERS users, ${SESSION_S}s, memory every ${SAMPLE_S}s"
+    loadtest "$dir" --mix sessions --users "$SESSION_USERS" --spawn-rate 64 --run-time "${SESSION_S}s" \
+      --tag "sessions_u${SESSION_USERS}_${SESSION_S}s" --label batching=on \
+      --sample-memory "http://127.0.0.1:$HTTP_PORT" --sample-memory nvidia-smi --sample-interval "$SAMPLE_S"
+    last_summary
+    say "sessions held after the run: $("$PYTHON" -c "import json, urllib.request as u; \
+print(json.load(u.urlopen('http://127.0.0.1:$HTTP_PORT/sessions'))['count'])" 2>/dev/null || echo '?')"
+  fi
 }
 
 load_part() {  # $1: loadtest | soak

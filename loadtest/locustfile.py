@@ -9,10 +9,15 @@ Users (pick any on the command line; each has weight 1):
                    and "json-list small-f32" (nested float32 lists)
   OipUser          POST /v2/models/attention/infer, binary tensor extension ("oip <shape>")
   GrpcUser         attention.v1.AttentionService/Attend             ("grpc <shape>", type "grpc")
+  SessionUser      a session's life over HTTP (API.md §10): create, a chunked prefill, decode steps,
+                   the last with end=true ("session create|prefill|decode <plan>"); mixes
+                   sessions and sessions-small (loadtest/sessions.py), every answer checked
+                   against a client-side reference
 
-Options (also from the environment): --mix small|prefill|decode|mixed (LOADTEST_MIX), --grpc-target
-HOST:PORT (LOADTEST_GRPC_TARGET; default the HTTP host at port 8001), --request-timeout seconds
-(LOADTEST_REQUEST_TIMEOUT), --api-key KEY (LOADTEST_API_KEY). Shapes of each mix: loadtest/payloads.py.
+Options (also from the environment): --mix small|prefill|decode|mixed|sessions|sessions-small
+(LOADTEST_MIX), --grpc-target HOST:PORT (LOADTEST_GRPC_TARGET; default the HTTP host at port 8001),
+--request-timeout seconds (LOADTEST_REQUEST_TIMEOUT), --api-key KEY (LOADTEST_API_KEY). Shapes of
+each mix: loadtest/payloads.py, loadtest/sessions.py.
 A wrong answer, a mixed-up answer, a wrong shape or dtype, and any non-200 status (429 backpressure
 included) is a failure.
 """
@@ -30,12 +35,13 @@ from urllib.parse import urlparse
 import gevent
 import grpc
 import locust.runners
+import numpy as np
 from locust import FastHttpUser, User, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `locust -f loadtest/locustfile.py`
 
-from loadtest import encodings, payloads  # noqa: E402
+from loadtest import encodings, payloads, sessions  # noqa: E402
 from loadtest.payloads import WrongAnswer  # noqa: E402
 
 # gRPC users call in native threads (gevent's thread pool), not through grpc's gevent mode: there,
@@ -54,8 +60,9 @@ GRPC_MAX_MESSAGE = 1 << 30  # API.md §3: at least 1 GiB each way
 
 @events.init_command_line_parser.add_listener
 def _options(parser) -> None:
-    parser.add_argument("--mix", choices=sorted(payloads.MIXES), env_var="LOADTEST_MIX",
-                        default="small", help="request mix: shapes and weights in loadtest/payloads.py")
+    parser.add_argument("--mix", choices=sorted(payloads.MIXES) + sorted(sessions.SESSION_MIXES),
+                        env_var="LOADTEST_MIX", default="small",
+                        help="request mix: loadtest/payloads.py (stateless), loadtest/sessions.py (sessions)")
     parser.add_argument("--grpc-target", env_var="LOADTEST_GRPC_TARGET", default="",
                         help="host:port of the gRPC server (default: the HTTP host, port 8001)")
     parser.add_argument("--request-timeout", type=float, env_var="LOADTEST_REQUEST_TIMEOUT", default=300.0,
@@ -100,7 +107,7 @@ def _init(environment, **_kw) -> None:
         return  # the master only aggregates statistics
     t0 = time.perf_counter()
     classes = {u.__name__ for u in environment.user_classes}
-    if classes - {"JsonUser"}:
+    if classes - {"JsonUser", "SessionUser"}:
         _State.pool(_State.mix)
     if "JsonUser" in classes:
         _State.pool("json")
@@ -192,6 +199,56 @@ class OipUser(_HttpBase):
         def check(r):
             encodings.check_oip(r.content, r.headers.get("Inference-Header-Content-Length"), exp)
         self._post(f"oip {p.shape.label}", "/v2/models/attention/infer", body, headers, check)
+
+
+class SessionUser(_HttpBase):
+    """One session's whole life per task, over HTTP safetensors (API.md §10); the plan is drawn
+    from the session mix (--mix sessions, sessions-small), by weight."""
+
+    @task
+    def live(self) -> None:
+        plans = sessions.SESSION_MIXES.get(_State.mix) or sessions.SESSION_MIXES["sessions-small"]
+        plan = self.rng.choices(plans, [p.weight for p in plans])[0]
+        ref = sessions.SessionReference(plan, np.random.default_rng(self.rng.getrandbits(63)))
+        auth = _State.auth
+        with self.client.post("/sessions", name=f"session create {plan.label}", catch_response=True,
+                              json={"layers": plan.layers, "num_kv_heads": plan.hkv, "head_dim": plan.d,
+                                    "dtype": plan.dtype}, headers=auth) as resp:
+            if resp.status_code != 201:
+                resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:300]}")
+                return
+            sid = resp.json()["session"]
+        steps = plan.steps
+        for i, n in enumerate(steps):
+            phase = "decode" if i >= len(steps) - plan.decode else "prefill"
+            for layer in range(plan.layers):
+                last = i == len(steps) - 1 and layer == plan.layers - 1
+                if not self._step(sid, ref, layer, n, phase, end=last):
+                    self.client.delete(f"/sessions/{sid}", name="session delete (after a failure)", headers=auth)
+                    return
+
+    def _step(self, sid: str, ref: sessions.SessionReference, layer: int, n: int, phase: str, end: bool) -> bool:
+        t = ref.tensors(n)
+        order = [(name, ref.plan.dtype, shape, len(raw)) for name, (shape, raw, _) in t.items()]
+        body = encodings.safetensors_header(order) + b"".join(raw for _, raw, _ in t.values())
+        path = f"/sessions/{sid}/attend?layer={layer}" + ("&end=true" if end else "")
+        headers = {"Content-Type": "application/x-safetensors", **_State.auth}
+        with self.client.post(path, data=body, headers=headers, name=f"session {phase} {ref.plan.label}",
+                              catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:300]}")
+                return False
+            ref.append(layer, t["k"][2], t["v"][2])
+            try:
+                out = encodings.parse_safetensors(resp.content)
+                if "o" not in out:
+                    raise WrongAnswer(f"response holds {sorted(out)}, no 'o'")
+                dtype, shape, raw = out["o"]
+                ref.check(layer, t["q"][2], raw, shape, dtype, self.rng.randrange(1 << 30))
+            except WrongAnswer as e:
+                resp.failure(str(e))
+                return False
+        return True
 
 
 class GrpcUser(User):

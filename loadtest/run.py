@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from loadtest import payloads
+from loadtest import payloads, sessions
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
-USER_CLASSES = {"st": "SafetensorsUser", "json": "JsonUser", "oip": "OipUser", "grpc": "GrpcUser"}
+USER_CLASSES = {"st": "SafetensorsUser", "json": "JsonUser", "oip": "OipUser", "grpc": "GrpcUser",
+                "session": "SessionUser"}
 
 
 def free_port() -> int:
@@ -305,9 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="users started per second (default: all in 1 s)")
     ap.add_argument("--run-time", "-t", default="30s", help="e.g. 30s, 5m")
     ap.add_argument("--processes", type=int, default=1, help="Locust worker processes (-1: one per CPU)")
-    ap.add_argument("--mix", default=os.environ.get("LOADTEST_MIX", "small"), choices=sorted(payloads.MIXES))
-    ap.add_argument("--user-class", default="st",
-                    help=f"comma-separated: {', '.join(f'{k} ({v})' for k, v in USER_CLASSES.items())}")
+    ap.add_argument("--mix", default=os.environ.get("LOADTEST_MIX", "small"),
+                    choices=sorted(payloads.MIXES) + sorted(sessions.SESSION_MIXES),
+                    help="stateless mixes (loadtest/payloads.py) for st, json, oip, grpc; session mixes "
+                         "(loadtest/sessions.py) for session")
+    ap.add_argument("--user-class", default=None,
+                    help="default: session for a session mix, else st. "
+                         f"Comma-separated: {', '.join(f'{k} ({v})' for k, v in USER_CLASSES.items())}")
     ap.add_argument("--tag", default=None, help="report file prefix (default: <mix>_<classes>_u<users>)")
     ap.add_argument("--reports-dir", default="reports")
     ap.add_argument("--no-html", action="store_true", help="skip Locust's HTML report")
@@ -330,10 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    classes = [c.strip() for c in a.user_class.split(",") if c.strip()]
+    session_mix = a.mix in sessions.SESSION_MIXES
+    user_class = a.user_class or ("session" if session_mix else "st")
+    classes = [c.strip() for c in user_class.split(",") if c.strip()]
     unknown = [c for c in classes if c not in USER_CLASSES]
     if unknown or not classes:
         raise SystemExit(f"unknown --user-class {unknown}; choose from {', '.join(USER_CLASSES)}")
+    if session_mix != (classes == ["session"]):
+        raise SystemExit(f"--mix {a.mix} is for --user-class {'session' if session_mix else 'st, json, oip, grpc'}; "
+                         f"the session user takes the mixes {', '.join(sessions.SESSION_MIXES)}")
     host = a.host.rstrip("/")
     grpc_target = a.grpc_target or f"{urlparse(host).hostname}:8001"
     tag = a.tag or f"{a.mix}_{'+'.join(classes)}_u{a.users}"

@@ -34,7 +34,7 @@ from service.client.http import AttentionServiceError
 from service.client.sessions import SessionsMixin, q_lengths_tensor
 from service.grpc import codec as grpc_codec
 from service.grpc.protogen import attention_stubs
-from service.wire import tensors
+from service.wire import SESSION_HEADER, tensors
 
 _stubs = attention_stubs()
 pb, pb_grpc = _stubs.attention_pb2, _stubs.attention_pb2_grpc
@@ -94,8 +94,11 @@ class GrpcAttentionClient(SessionsMixin):
     """
 
     def __init__(self, target: str, api_key: str | None = None, timeout: float | None = 60.0,
-                 options: Iterable[tuple[str, Any]] = ()):
+                 options: Iterable[tuple[str, Any]] = (), session_affinity: str | None = None):
+        """``session_affinity``: the x-attnserve-session metadata of every session call (default:
+        the call's session id; service.client.sessions.SessionsMixin)."""
         self.timeout = timeout
+        self.session_affinity = session_affinity
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_send_message_length", UNLIMITED),
@@ -114,9 +117,10 @@ class GrpcAttentionClient(SessionsMixin):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _call(self, rpc, request):
+    def _call(self, rpc, request, affinity: str | None = None):
+        metadata = self._metadata if affinity is None else (*self._metadata, (SESSION_HEADER, affinity))
         try:
-            return rpc(request, timeout=self.timeout, metadata=self._metadata)
+            return rpc(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -177,16 +181,16 @@ class GrpcAttentionClient(SessionsMixin):
 
     # ---- sessions (API.md §10; the shared logic: service.client.sessions) ----------------------
 
-    def _create_session(self, fields: dict[str, Any]) -> dict[str, Any]:
+    def _create_session(self, fields: dict[str, Any], affinity: str) -> dict[str, Any]:
         req = pb.CreateSessionRequest(session=fields["session"] or "", layers=fields["layers"],
                                       num_kv_heads=fields["num_kv_heads"], head_dim=fields["head_dim"],
                                       dtype=grpc_codec.dtype_to_pb(fields["dtype"]))
-        return _session_info(self._call(self._stub.CreateSession, req))
+        return _session_info(self._call(self._stub.CreateSession, req, affinity))
 
-    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None],
-                      options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None], options: dict[str, Any],
+                      affinity: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         req = session_attend_request(sessions, **tensors, **options)
-        resp = self._call(self._stub.SessionAttend, req)
+        resp = self._call(self._stub.SessionAttend, req, affinity)
         return _tensor(resp.o), _tensor(resp.lse) if resp.HasField("lse") else None
 
     def session_stream(self, requests: Iterable[dict[str, Any]], timeout: float | None = None
@@ -207,11 +211,11 @@ class GrpcAttentionClient(SessionsMixin):
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
-    def _get_session(self, session: str) -> dict[str, Any]:
-        return _session_info(self._call(self._stub.GetSession, pb.GetSessionRequest(session=session)))
+    def _get_session(self, session: str, affinity: str) -> dict[str, Any]:
+        return _session_info(self._call(self._stub.GetSession, pb.GetSessionRequest(session=session), affinity))
 
-    def _delete_session(self, session: str) -> None:
-        self._call(self._stub.DeleteSession, pb.DeleteSessionRequest(session=session))
+    def _delete_session(self, session: str, affinity: str) -> None:
+        self._call(self._stub.DeleteSession, pb.DeleteSessionRequest(session=session), affinity)
 
 
 def session_attend_request(sessions: list[str] | str, q: torch.Tensor, k: torch.Tensor | None = None,

@@ -27,6 +27,7 @@ import urllib3
 
 from service.client.sessions import SessionsMixin
 from service.errors import ServiceError
+from service.wire import SESSION_HEADER
 from service.wire.tensors import parse_safetensors, safetensors_parts, uninitialized_bytearray
 
 SAFETENSORS = "application/x-safetensors"
@@ -89,7 +90,11 @@ class AttentionClient(SessionsMixin):
         api_key: str | None = None,
         timeout: float | None = 60.0,
         request_timeout_ms: float | None = None,
+        session_affinity: str | None = None,
     ):
+        """``session_affinity``: the x-attnserve-session header of every session call (default:
+        the call's session id; service.client.sessions.SessionsMixin)."""
+        self.session_affinity = session_affinity
         headers = {"X-API-Key": api_key} if api_key else {}
         if request_timeout_ms is not None:
             headers["X-Request-Timeout-Ms"] = str(request_timeout_ms)
@@ -108,7 +113,8 @@ class AttentionClient(SessionsMixin):
         self.close()
 
     def _post(
-        self, path: str, tensors: dict[str, torch.Tensor | None], params: dict[str, str]
+        self, path: str, tensors: dict[str, torch.Tensor | None], params: dict[str, str],
+        headers: dict[str, str] | None = None,
     ) -> dict[str, torch.Tensor]:
         parts = _parts(tensors)
         r = self._http.request(
@@ -117,6 +123,7 @@ class AttentionClient(SessionsMixin):
             body=parts,
             headers={
                 **self._http.headers,
+                **(headers or {}),
                 "Content-Type": SAFETENSORS,
                 "Content-Length": str(sum(len(p) for p in parts)),  # sent as is, not chunked
             },
@@ -210,19 +217,21 @@ class AttentionClient(SessionsMixin):
 
     # ---- sessions (API.md §10; the shared logic: service.client.sessions) ----------------------
 
-    def _json_call(self, method: str, path: str, doc: Any = None) -> urllib3.BaseHTTPResponse:
-        headers = {**self._http.headers, "Content-Type": "application/json"} if doc is not None else None
+    def _json_call(self, method: str, path: str, doc: Any, affinity: str) -> urllib3.BaseHTTPResponse:
+        headers = {**self._http.headers, SESSION_HEADER: affinity}
+        if doc is not None:
+            headers["Content-Type"] = "application/json"
         r = self._http.request(method, f"{self._base}{path}", body=None if doc is None else orjson.dumps(doc),
                                headers=headers)
         self._raise_for_error(r)
         return r
 
-    def _create_session(self, fields: dict[str, Any]) -> dict[str, Any]:
+    def _create_session(self, fields: dict[str, Any], affinity: str) -> dict[str, Any]:
         doc = {name: value for name, value in fields.items() if value is not None}
-        return orjson.loads(self._json_call("POST", "/sessions", doc).data)
+        return orjson.loads(self._json_call("POST", "/sessions", doc, affinity).data)
 
-    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None],
-                      options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None], options: dict[str, Any],
+                      affinity: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = {name: _bool(value) if isinstance(value, bool) else str(value)
                   for name, value in options.items() if value is not None}
         if "scale" in options and options["scale"] is not None:
@@ -232,11 +241,11 @@ class AttentionClient(SessionsMixin):
             path = "/sessions/attend"
         else:
             path = f"/sessions/{quote(sessions[0], safe='')}/attend"
-        out = self._post(path, tensors, params)
+        out = self._post(path, tensors, params, {SESSION_HEADER: affinity})
         return out["o"], out.get("lse")
 
-    def _get_session(self, session: str) -> dict[str, Any]:
-        return orjson.loads(self._json_call("GET", f"/sessions/{quote(session, safe='')}").data)
+    def _get_session(self, session: str, affinity: str) -> dict[str, Any]:
+        return orjson.loads(self._json_call("GET", f"/sessions/{quote(session, safe='')}", None, affinity).data)
 
-    def _delete_session(self, session: str) -> None:
-        self._json_call("DELETE", f"/sessions/{quote(session, safe='')}")
+    def _delete_session(self, session: str, affinity: str) -> None:
+        self._json_call("DELETE", f"/sessions/{quote(session, safe='')}", None, affinity)

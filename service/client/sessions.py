@@ -17,6 +17,7 @@ Steps are causal by default (bottom-right: the n queries are the sequence's last
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,13 +79,25 @@ def q_lengths_tensor(q_lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
 
 class SessionsMixin:
     """Session calls over a transport's ``_create_session``, ``_session_step``, ``_get_session`` and
-    ``_delete_session`` (each takes and gives plain values: dicts, tensors, ids)."""
+    ``_delete_session`` (each takes and gives plain values: dicts, tensors, ids, and the affinity key).
+
+    Every session call carries an affinity key, which the transports send as the header (metadata)
+    ``x-attnserve-session`` for a gateway to hash on (docs/deploy.md, "Sessions across replicas"):
+    ``session_affinity`` when the client was given one (a stack that packs sessions together), else
+    the call's session id (a packed step's first). A session created without an id gets one made
+    here, so that its create is routed as its later calls are."""
+
+    session_affinity: str | None = None
+
+    def _affinity(self, session: str) -> str:
+        return self.session_affinity or session
 
     def create_session(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str = torch.float16,
                        layers: int = 1, session: str | None = None) -> Session:
-        """A new session on the server (its id ``session``, else one the server makes)."""
+        """A new session on the server, named ``session`` (else a fresh random id)."""
+        session = session or uuid.uuid4().hex
         info = self._create_session({"session": session, "layers": layers, "num_kv_heads": num_kv_heads,
-                                     "head_dim": head_dim, "dtype": dtype_name(dtype)})
+                                     "head_dim": head_dim, "dtype": dtype_name(dtype)}, self._affinity(session))
         return Session(self, info["session"], info["layers"], info["num_kv_heads"], info["head_dim"],
                        info["dtype"])
 
@@ -99,7 +112,8 @@ class SessionsMixin:
         """One step: q (1, Hq, n, D), k/v (1, Hkv, n, D) (or none) -> o (1, Hq, n, D) [, lse (1, Hq, n)]."""
         options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end,
                    "layout": layout}
-        o, lse = self._session_step([session_id(session)], {"q": q, "k": k, "v": v}, options)
+        sid = session_id(session)
+        o, lse = self._session_step([sid], {"q": q, "k": k, "v": v}, options, self._affinity(sid))
         return (o, lse) if return_lse else o
 
     def packed_step(self, sessions: Sequence[Session | str], q: torch.Tensor, k: torch.Tensor | None,
@@ -110,27 +124,30 @@ class SessionsMixin:
         -> o (T, Hq, D) [, lse (Hq, T)]."""
         options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end}
         tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths_tensor(q_lengths)}
-        o, lse = self._session_step([session_id(s) for s in sessions], tensors, options)
+        ids = [session_id(s) for s in sessions]
+        o, lse = self._session_step(ids, tensors, options, self._affinity(ids[0] if ids else ""))
         return (o, lse) if return_lse else o
 
     def get_session(self, session: Session | str) -> dict[str, Any]:
         """{"session", "layers", "num_kv_heads", "head_dim", "dtype", "lengths", "kv_bytes", "idle_s", "device"}"""
-        return self._get_session(session_id(session))
+        sid = session_id(session)
+        return self._get_session(sid, self._affinity(sid))
 
     def delete_session(self, session: Session | str) -> None:
-        self._delete_session(session_id(session))
+        sid = session_id(session)
+        self._delete_session(sid, self._affinity(sid))
 
     # ---- the transport's part ------------------------------------------------------------------
 
-    def _create_session(self, fields: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover
+    def _create_session(self, fields: dict[str, Any], affinity: str) -> dict[str, Any]:  # pragma: no cover
         raise NotImplementedError
 
-    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None],
-                      options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:  # pragma: no cover
+    def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None], options: dict[str, Any],
+                      affinity: str) -> tuple[torch.Tensor, torch.Tensor | None]:  # pragma: no cover
         raise NotImplementedError
 
-    def _get_session(self, session: str) -> dict[str, Any]:  # pragma: no cover
+    def _get_session(self, session: str, affinity: str) -> dict[str, Any]:  # pragma: no cover
         raise NotImplementedError
 
-    def _delete_session(self, session: str) -> None:  # pragma: no cover
+    def _delete_session(self, session: str, affinity: str) -> None:  # pragma: no cover
         raise NotImplementedError

@@ -41,8 +41,8 @@ from typing import Any
 import orjson
 
 from service.errors import InvalidInput, ServiceError
+from service.wire import SESSION_HEADER
 
-SESSION_HEADER = "x-attnserve-session"  # what clients send on session calls (a gateway hashes on it)
 FORWARDED = "x-attnserve-forwarded"
 PEER_AUTHORITY = "attnserve-peer"
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, run_server
 
 sys.path.insert(0, str(ROOT))  # loadtest/ is not an installed package: plain `pytest` finds it too
-from loadtest import encodings, payloads, run  # noqa: E402
+from loadtest import encodings, payloads, run, sessions  # noqa: E402
 from loadtest.payloads import WrongAnswer  # noqa: E402
 
 KEY = "loadtest-key"
@@ -337,7 +337,8 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
     stub.chmod(0o755)
     calls, out = tmp_path / "calls.txt", tmp_path / "out"
     env = {**os.environ, "PYTHON": str(stub), "CALLS": str(calls), "USERS": "16",
-           "MIXES": "small prefill", "TRANSPORTS": "st grpc", "SOAK_S": "1", "IDLE_S": "0", "SOAK_CELLS": "1"}
+           "MIXES": "small prefill", "TRANSPORTS": "st grpc", "SOAK_S": "1", "IDLE_S": "0", "SOAK_CELLS": "1",
+           "SESSION_S": "1"}
     proc = subprocess.run(["bash", str(script), "all", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -349,8 +350,10 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
                  f"-m loadtest.report {out}/soak/cells"):
         assert any(line.startswith(want) for line in lines), (want, lines)
     runs = [line.split()[2:] for line in lines if line.startswith("-m loadtest.run ")]
-    # 2 mixes x 2 transports x 1 user count, batching off and on; the soak, then its cells (batching on)
-    assert len(runs) == 2 * 2 * 2 + 1 + 2 * 2, runs
+    # 2 mixes x 2 transports x 1 user count, batching off and on; the soak, the sessions, then the
+    # soak's cells (batching on)
+    assert len(runs) == 2 * 2 * 2 + 1 + 1 + 2 * 2, runs
+    assert any(args[args.index("--mix") + 1] == "sessions" for args in runs)
     for args in runs:
         run.build_parser().parse_args(args)
     from bench import http_latency
@@ -358,7 +361,7 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
     http_args = argparse.ArgumentParser()
     http_latency.add_arguments(http_args)
     http_args.parse_args(next(line for line in lines if line.startswith("-m bench.http_latency ")).split()[2:])
-    assert sum("--sample-memory" in a for a in runs) == 1
+    assert sum("--sample-memory" in a for a in runs) == 2
     assert (out / "env.txt").exists() and (out / "loadtest" / "bench.log").exists()
     assert (out / "soak" / "server_batching_on.log").exists()
     assert "-m service --host 127.0.0.1 --http-port 8000 --grpc-port 8001 --device cuda --no-batching" in lines
@@ -371,3 +374,70 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
     if shutil.which("shellcheck"):
         check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout
+
+
+# ---------------------------------------------------------------- sessions
+
+
+def test_session_users_live_whole_sessions_with_zero_failures(server, tmp_path):
+    """--mix sessions-small (the session user by default): create, chunked prefill, decode, end;
+    every answer checked against the users' own reference; no session is left behind."""
+    rc, summary, out = loadtest(server, tmp_path, "--users", "3", "--run-time", "5s", "--mix", "sessions-small",
+                                "--api-key", KEY)
+    r = summary["result"]
+    assert rc == 0, out
+    assert r["failures"] == 0 and r["requests"] > 0, out
+    phases = {e["name"].split(" ")[1] for e in r["per_name"] if e["requests"] > 0}
+    assert phases == {"create", "prefill", "decode"}, out
+    assert summary["config"]["user_classes"] == ["session"]
+    assert summary["batch_sizes"] is None or summary["batch_sizes"]["launches"] > 0
+    held = httpx.get(server.url + "/sessions", headers={"authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert held["count"] == 0 and held["kv_bytes_used"] == 0, held
+
+
+def test_session_mix_and_user_class_must_match(tmp_path):
+    for args in (["--mix", "sessions", "--user-class", "st"], ["--mix", "small", "--user-class", "session"]):
+        with pytest.raises(SystemExit, match="is for --user-class"):
+            run.main(["--host", "http://127.0.0.1:9", "--reports-dir", str(tmp_path), *args])
+
+
+def _served(ref, layer: int, q: np.ndarray) -> np.ndarray:
+    """What the server answers for a step of q on ``layer`` after its append (float64, as the dtype)."""
+    import torch
+
+    from kernels.reference import reference_attention
+
+    p = ref.plan
+    k = torch.from_numpy(ref.k[layer]).permute(1, 0, 2)[None].double()
+    v = torch.from_numpy(ref.v[layer]).permute(1, 0, 2)[None].double()
+    o, _ = reference_attention(torch.from_numpy(q).double(), k, v, causal=True, scale=p.d ** -0.5)
+    return o.numpy().astype(np.float32)
+
+
+@pytest.mark.parametrize("plan", [p.label for p in sessions.SESSION_MIXES["sessions-small"]])
+def test_session_reference_accepts_the_answer_and_fails_anything_else(plan):
+    """The right answer passes at the dtype's rounding; the answer over the keys before the step's
+    append, another session's answer, a NaN, and a wrong shape all fail."""
+    p = next(x for x in sessions.SESSION_MIXES["sessions-small"] if x.label == plan)
+    ref = sessions.SessionReference(p, np.random.default_rng(0))
+    other = sessions.SessionReference(p, np.random.default_rng(1))
+
+    def raw(o: np.ndarray) -> bytes:
+        return payloads._to_bits(o, p.dtype).tobytes()
+
+    for i, n in enumerate(p.steps[:4]):
+        t, u = ref.tensors(n), other.tensors(n)
+        stale = _served(ref, 0, t["q"][2]) if ref.length(0) else None
+        ref.append(0, t["k"][2], t["v"][2])
+        other.append(0, u["k"][2], u["v"][2])
+        shape = [1, p.hq, n, p.d]
+        right = _served(ref, 0, t["q"][2])
+        ref.check(0, t["q"][2], raw(right), shape, p.dtype, row_pick=i)
+        bad = [_served(other, 0, u["q"][2]), np.full_like(right, np.nan)]
+        if stale is not None and n == 1:
+            bad.append(stale)
+        for o in bad:
+            with pytest.raises(WrongAnswer):
+                ref.check(0, t["q"][2], raw(o), shape, p.dtype, row_pick=i)
+        with pytest.raises(WrongAnswer):
+            ref.check(0, t["q"][2], raw(right), [1, p.hq, n + 1, p.d], p.dtype, row_pick=i)

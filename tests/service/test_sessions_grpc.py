@@ -194,3 +194,93 @@ def test_client_session_api_and_context_manager(client, http, transport):
     named = c.create_session(HKV, D, "float32", session=f"named-{transport}")
     assert named.id == f"named-{transport}" and c.get_session(named)["lengths"] == [0]
     c.delete_session(named.id)
+
+
+# ---------------------------------------------------------------- the affinity header
+
+
+@pytest.fixture
+def recording_proxy(server):
+    """A proxy in front of the server, over both transports, that records each call's
+    x-attnserve-session header (metadata): (HTTP URL, gRPC target, [(path, value)])."""
+    import http.server
+    import threading
+    from concurrent import futures
+
+    import httpx
+
+    from conftest import free_port
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _forward(self):
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            seen.append((self.path.split("?")[0], self.headers.get("x-attnserve-session")))
+            r = httpx.request(self.command, server.url + self.path, content=body, timeout=60,
+                              headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+            self.send_response(r.status_code)
+            for k, v in r.headers.items():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(k, v)
+            self.send_header("content-length", str(len(r.content)))
+            self.end_headers()
+            self.wfile.write(r.content)
+
+        do_GET = do_POST = do_DELETE = _forward
+
+        def log_message(self, *args):
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    upstream = grpc.insecure_channel(server.grpc_target)
+
+    class Forward(grpc.GenericRpcHandler):
+        def service(self, details):
+            def unary(request: bytes, context):
+                meta = dict(details.invocation_metadata)
+                seen.append((details.method, meta.get("x-attnserve-session")))
+                call = upstream.unary_unary(details.method)  # bytes in, bytes out
+                try:
+                    return call(request, timeout=60)
+                except grpc.RpcError as exc:
+                    context.abort(exc.code(), exc.details())
+            return grpc.unary_unary_rpc_method_handler(unary)
+
+    rpc = grpc.server(futures.ThreadPoolExecutor(4), handlers=[Forward()])
+    port = rpc.add_insecure_port("127.0.0.1:0")
+    rpc.start()
+    yield f"http://127.0.0.1:{web.server_port}", f"127.0.0.1:{port}", seen
+    rpc.stop(0)
+    upstream.close()
+    web.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_clients_send_the_session_affinity_header(recording_proxy, transport):
+    """Every session call carries x-attnserve-session (docs/deploy.md): the session's id, the
+    create's too (the client names a session it is not given a name for), a packed step's first;
+    with ``session_affinity`` that key on every call instead."""
+    url, target, seen = recording_proxy
+
+    def make(**kw):
+        return GrpcAttentionClient(target, **kw) if transport == "grpc" else AttentionClient(url, **kw)
+
+    with make() as c:
+        a = c.create_session(HKV, D, "float32")
+        b = c.create_session(HKV, D, "float32", session=f"b-{transport}")
+        q, k, v = qkv(2, 7)
+        c.step(a, q, k, v)
+        q1, k1, v1 = (t[0].transpose(0, 1) for t in qkv(1, 8))
+        c.packed_step([b, a], torch.cat([q1, q1]), torch.cat([k1, k1]), torch.cat([v1, v1]), [1, 1])
+        assert c.get_session(a)["lengths"] == [3]
+        c.delete_session(a)
+        c.delete_session(b)
+    assert [value for _, value in seen] == [a.id, b.id, a.id, b.id, a.id, a.id, b.id], seen
+    assert len(a.id) == 32 and a.id != b.id
+    seen.clear()
+    with make(session_affinity="stack-7") as c:
+        with c.session(HKV, D, "float32") as s:
+            s.step(*qkv(1, 9))
+    assert [value for _, value in seen] == ["stack-7"] * 3, seen
