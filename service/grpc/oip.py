@@ -10,6 +10,7 @@ as Triton does.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
@@ -18,11 +19,13 @@ from service.errors import BadRequest, NotFound
 from service.grpc.codec import deadline_of, declared_bytes, offload, result_bytes, run_concurrently
 from service.grpc.errors import error_status
 from service.grpc.protogen import inference_stubs
+from service.sessions import routing
 from service.wire import oip
 from service.wire import tensors as wire
 
 stubs = inference_stubs()
 pb, pb_grpc = stubs.grpc_predict_v2_pb2, stubs.grpc_predict_v2_pb2_grpc
+INFER_METHOD = f"/{pb.DESCRIPTOR.services_by_name['GRPCInferenceService'].full_name}/ModelInfer"
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 HEALTH_METHODS = (f"/{SERVICE_NAME}/ServerLive", f"/{SERVICE_NAME}/ServerReady")
@@ -120,15 +123,37 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         outputs = await oip.infer(self.engine, call)
         return await offload(result_bytes(*outputs.values()), _response, request, outputs)
 
+    def _owner(self, request, context) -> int | None:
+        """Under --processes: the process that holds the session a sequence call steps (None: here)."""
+        if "sequence_id" not in request.parameters:
+            return None
+        sid = oip.sequence_id(_parameters(request.parameters).get("sequence_id"))
+        return None if sid is None else routing.grpc_owner(self.engine.settings, [sid], context)
+
+    async def _forward(self, target: int, request, context):
+        return await routing.forward_grpc(self.engine.settings, target, INFER_METHOD, request, context,
+                                          pb.ModelInferResponse)
+
     async def ModelInfer(self, request, context):
+        target = self._owner(request, context)
+        if target is not None:
+            return await self._forward(target, request, context)
         return await self.infer(request, deadline_of(context))
 
     async def ModelStreamInfer(self, request_iterator, context):
         deadline = deadline_of(context)
+        in_order: dict[int, asyncio.Lock] = {}  # calls for another process: one at a time each, in order
+
+        async def answer(request):
+            target = self._owner(request, context)
+            if target is None:
+                return await self.infer(request, deadline)
+            async with in_order.setdefault(target, asyncio.Lock()):
+                return await self._forward(target, request, context)
 
         async def one(i: int, request):
             try:
-                return pb.ModelStreamInferResponse(infer_response=await self.infer(request, deadline))
+                return pb.ModelStreamInferResponse(infer_response=await answer(request))
             except Exception as exc:  # answered in-band; the stream goes on
                 return pb.ModelStreamInferResponse(
                     error_message=error_status(exc).message,

@@ -18,7 +18,10 @@ keys and values live in one of them. So:
   with ``"processes": N``;
 - a packed step whose sessions all have one owner is forwarded whole; one naming sessions of
   several owners is a 422 that lists which sessions live together (a stack groups its packed
-  steps by ``owner``).
+  steps by ``owner``);
+- an Open Inference Protocol infer call with a ``sequence_id`` goes to the owner of its session
+  (``str(sequence_id)``), over HTTP (the router reads only the call's JSON header) and gRPC
+  (``ModelInfer``; ``ModelStreamInfer`` forwards each such message as a ``ModelInfer``).
 
 A forwarded call carries ``x-attnserve-forwarded`` (HTTP) or metadata of that name (gRPC): the owner
 serves it locally whatever it computes, so a call is forwarded at most once.
@@ -260,6 +263,28 @@ async def _packed_sessions(body: _Body, headers: dict[bytes, bytes], query: byte
     return None
 
 
+async def _sequence_of(body: _Body, headers: dict[bytes, bytes], json_limit: int) -> str | None:
+    """The session an Open Inference Protocol infer call steps (its ``sequence_id`` parameter),
+    reading only its JSON header (the first Inference-Header-Content-Length bytes, else the whole
+    JSON body); None for a plain call, or one that cannot be read here (served here, which says
+    what is wrong)."""
+    from service.wire.oip import sequence_id
+
+    try:
+        n = int(headers.get(b"inference-header-content-length", b"-1"))
+        if n < 0:
+            raw = await body.read_all(json_limit)
+        else:
+            while len(body.head) < min(n, json_limit) and await body.read_more():
+                pass
+            raw = bytes(body.head[:n])
+        doc = orjson.loads(raw)
+        params = doc.get("parameters") if isinstance(doc, dict) else None
+        return sequence_id(params.get("sequence_id")) if isinstance(params, dict) else None
+    except (orjson.JSONDecodeError, ValueError, ServiceError):
+        return None
+
+
 class HTTPRouter:
     """ASGI wrapper: session calls for another process go there over its private socket."""
 
@@ -288,7 +313,9 @@ class HTTPRouter:
         if scope["type"] == "lifespan":
             return await self._lifespan(scope, receive, send)
         path = scope.get("path", "")
-        if scope["type"] != "http" or self.peers is None or not (path == "/sessions" or path.startswith("/sessions/")):
+        oip_infer = path.startswith("/v2/models/") and path.endswith("/infer") and scope.get("method") == "POST"
+        if scope["type"] != "http" or self.peers is None or not (
+                path == "/sessions" or path.startswith("/sessions/") or oip_infer):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
         if FORWARDED.encode() in headers:  # forwarded here by another process: ours whatever we compute
@@ -296,7 +323,10 @@ class HTTPRouter:
         method, parts = scope["method"], path.split("/")  # "/sessions/x/attend" -> ["", "sessions", "x", "attend"]
         body = _Body(receive)
         target: int | None = None
-        if path == "/sessions" and method == "GET":
+        if oip_infer:
+            sid = await _sequence_of(body, headers, self.json_limit)
+            target = None if sid is None else self.peers.owner(sid)
+        elif path == "/sessions" and method == "GET":
             return await self._union(scope, send)
         if path == "/sessions" and method == "POST":
             with contextlib.suppress(orjson.JSONDecodeError):

@@ -163,3 +163,65 @@ def test_grpc_steps_reach_their_process(server):
         code = getattr(err.value, "code", None)
         assert "not_found" in str(err.value).lower() or (callable(code) and code() == grpc.StatusCode.NOT_FOUND), \
             err.value
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="--processes")
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_oip_sequence_calls_reach_their_process(server, kind):
+    """tritonclient's infer(..., sequence_id=, sequence_start=, sequence_end=), a fresh connection
+    per call (either process may take it): each sequence lives on its owner (GET /sessions/{id},
+    itself routed, finds it there) and every step equals /attention over its keys; binary and
+    JSON-only HTTP bodies, unary gRPC and ModelStreamInfer."""
+    import numpy as np
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    mod = th if kind == "http" else tg
+    url = server.url
+    call("GET", url + "/sessions")  # both processes up
+
+    def client():
+        return (th.InferenceServerClient(f"127.0.0.1:{server.http_port}") if kind == "http"
+                else tg.InferenceServerClient(server.grpc_target))
+
+    def inputs(tensors, binary=True):
+        out = []
+        for name, t in tensors.items():
+            inp = mod.InferInput(name, list(t.shape), "FP32")
+            if kind == "http":
+                inp.set_data_from_numpy(t.numpy(), binary_data=binary)
+            else:
+                inp.set_data_from_numpy(t.numpy())
+            out.append(inp)
+        return out
+
+    ids = [f"oip-{kind}-{i}" for i in range(4)] + [7000 + 10 * i + (kind == "grpc") for i in range(4)]
+    ks = {s: [] for s in ids}
+    vs = {s: [] for s in ids}
+    for rnd, n in enumerate((4, 1, 1)):
+        for j, s in enumerate(ids):
+            seed = 3000 + 100 * rnd + 10 * j
+            q, k, v = rand(1, HQ, n, D, seed=seed), rand(1, HKV, n, D, seed=seed + 1), rand(1, HKV, n, D, seed=seed + 2)
+            ks[s].append(k)
+            vs[s].append(v)
+            res = client().infer("attention", inputs({"q": q, "k": k, "v": v}, binary=j % 2 == 0),
+                                 outputs=[mod.InferRequestedOutput("o")], sequence_id=s, sequence_start=rnd == 0)
+            want = attention(url, q, torch.cat(ks[s], 2), torch.cat(vs[s], 2))
+            torch.testing.assert_close(torch.from_numpy(np.array(res.as_numpy("o"))), want, atol=1e-5, rtol=1e-5)
+    for s in ids:
+        assert call("GET", f"{url}/sessions/{s}").json()["lengths"] == [6], s
+    if kind == "grpc":  # one stream naming sequences of both processes: answered, then ended
+        answers = []
+        c = client()
+        c.start_stream(callback=lambda result, error: answers.append((result, error)))
+        for j, s in enumerate(ids):
+            q = rand(1, HQ, 1, D, seed=9000 + j)
+            c.async_stream_infer("attention", inputs({"q": q}), sequence_id=s, sequence_end=True,
+                                 outputs=[mod.InferRequestedOutput("o")])
+        c.stop_stream()
+        assert len(answers) == len(ids) and all(e is None for _, e in answers), answers
+    else:
+        for s in ids:
+            q = rand(1, HQ, 1, D, seed=9000)
+            client().infer("attention", inputs({"q": q}), sequence_id=s, sequence_end=True)
+    assert call("GET", url + "/sessions").json()["count"] == 0
