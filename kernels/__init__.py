@@ -24,7 +24,7 @@ from .paged import append_paged, attention_paged
 from .ragged import BlockTableError, SeqLensError
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnSpec, check_inputs
 from .varlen import attention_varlen
-from .warmup import warmup
+from .warmup import warmup, warmup_ragged
 
 __all__ = [
     "KERNELS",
@@ -48,6 +48,7 @@ __all__ = [
     "choose",
     "freeze_autotuning",
     "warmup",
+    "warmup_ragged",
 ]
 
 

@@ -50,3 +50,51 @@ def warmup(
     dt = time.perf_counter() - t0
     log.info("kernels warm on %s in %.1fs (%d shapes, %d dtypes)", device, dt, len(shapes), len(dtypes))
     return dt
+
+
+def warmup_ragged(
+    kv_heads_and_dims: Iterable[tuple[int, int]],
+    dtypes: Iterable[torch.dtype] = (torch.float16,),
+    page_tokens: int = 64,
+    device: torch.device | str = "cuda",
+) -> float:
+    """Run ``append_paged``, ``attention_paged`` and ``attention_varlen`` once per (Hkv, D) × dtype
+    on ``device``, so that a server's first session step (or packed stateless batch) compiles
+    nothing: two sequences (a decode row and a 65-row prefill chunk, causal) over ``page_tokens``-
+    token pages. The kernels specialise on D, the kv heads' power of two (the append), the page size
+    and the dtype, not on the lengths or Hq. Returns the seconds spent."""
+    from . import append_paged, attention_paged, attention_varlen
+
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lens, new = [300, 65], [1, 65]  # each sequence's length after the append, and its new rows
+    pages_each = [-(-n // page_tokens) for n in lens]
+    table = torch.zeros(2, max(pages_each), dtype=torch.int32)
+    table[0, : pages_each[0]] = torch.arange(pages_each[0])
+    table[1, : pages_each[1]] = torch.arange(pages_each[0], sum(pages_each))
+    table = table.to(device)
+    cache_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    before = cache_lens - torch.tensor(new, dtype=torch.int32, device=device)
+    cu_new = torch.tensor([0, new[0], sum(new)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
+    count = 0
+    with torch.no_grad():
+        for hkv, d in sorted(set(kv_heads_and_dims)):
+            for dtype in dtypes:
+                def rand(*shape):
+                    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+                k_pages, v_pages = rand(sum(pages_each), page_tokens, hkv, d), rand(sum(pages_each), page_tokens, hkv, d)
+                append_paged(k_pages, v_pages, table, before, rand(sum(new), hkv, d), rand(sum(new), hkv, d), cu_new)
+                q = rand(sum(new), hkv, d)
+                attention_paged(q, k_pages, v_pages, table, cache_lens, cu_new, causal=True, return_lse=True)
+                attention_varlen(q, rand(sum(lens), hkv, d), rand(sum(lens), hkv, d), cu_new, cu_k, causal=True,
+                                 return_lse=True)
+                count += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    log.info("ragged and paged kernels warm on %s in %.1fs (%d head layouts x dtypes, %d-token pages)",
+             device, dt, count, page_tokens)
+    return dt

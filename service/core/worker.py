@@ -125,7 +125,8 @@ class Worker:
         )
 
     def _warmup(self) -> None:
-        """Compile (and autotune) the kernels for the configured shapes and for every layer."""
+        """Compile (and autotune) the kernels for the configured shapes and for every layer, and the
+        ragged and paged kernels for their head counts and dims at --kv-page-tokens."""
         with torch.no_grad():
             for layer in self.layers.values():  # the layer's head dim and dtype
                 x = torch.zeros(1, 16, layer.info.hidden_size, device=self.device)
@@ -137,6 +138,9 @@ class Worker:
                 shapes = sorted({(1, 1, min(n, 64), d) for _, _, n, d in shapes})
             if shapes:
                 kernels.warmup(shapes=shapes, dtypes=dtypes, device=self.device)
+            if shapes and self._cuda:  # session steps and packed stateless batches: their kernels too
+                kernels.warmup_ragged({(h, d) for _, h, _, d in shapes}, dtypes, self.settings.kv_page_tokens,
+                                      self.device)
 
     # ---- running a batch ----------------------------------------------------------------------
 

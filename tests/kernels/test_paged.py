@@ -347,3 +347,12 @@ def test_paged_gpu_256_sequences_batch_invariant(page, dtype, monkeypatch):
 @pytest.mark.parametrize("page", [1, 17, 64, 256])  # per key (1, 17), one entry a block (64, 256)
 def test_append_gpu(page):
     test_append_then_attend("flash", page)
+
+
+@pytest.mark.parametrize("page", [16, 5])
+def test_warmup_ragged_runs_every_kernel_it_names(page):
+    """kernels.warmup_ragged (what a worker runs at start-up for session steps): append, paged and
+    varlen attention on one (Hkv, D) x dtype; under TRITON_INTERPRET=1 the flash kernels themselves."""
+    from kernels import warmup_ragged
+
+    assert warmup_ragged([(2, 16), (2, 16)], (torch.float32,), page_tokens=page, device=DEV) >= 0.0
