@@ -52,7 +52,8 @@ def step(http, session, q, k=None, v=None, status=200, **options):
 
 def attention(http, q, k, v, **options):
     params = {name: str(value).lower() for name, value in options.items()}
-    r = http.post("/attention", params=params, headers=ST, content=st.save({"q": q, "k": k, "v": v}))
+    r = http.post("/attention", params=params, headers=ST,
+                  content=st.save({"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous()}))
     assert r.status_code == 200, r.text
     return st.load(r.content)
 
@@ -305,42 +306,51 @@ def test_cache_full_is_507_and_idle_sessions_expire(tmp_path):
         assert http.get("/sessions").json()["kv_bytes_used"] == 4 * 2 * 16 * 4 * 4
 
 
+def _packed_equals_alone(http, dtype: str, hq: int, hkv: int, d: int, n_s: int) -> None:
+    """n_s sessions prefill (17 + 13 i rows) then decode in packed steps; twin sessions take the same
+    rows one step at a time: each packed answer has the bits of its twin's, within 2x of /attention's
+    error against float64 (plus a hair)."""
+    tdt = getattr(torch, dtype)
+    sids = [create(http, hkv=hkv, d=d, dtype=dtype)["session"] for _ in range(n_s)]
+    twins = [create(http, hkv=hkv, d=d, dtype=dtype)["session"] for _ in range(n_s)]
+    ks = {i: [] for i in range(n_s)}
+    vs = {i: [] for i in range(n_s)}
+    for r, sizes in enumerate([[17 + 13 * i for i in range(n_s)], [1] * n_s, [1 + i % 3 for i in range(n_s)]]):
+        qs = [rand(n, hq, d, seed=100 * r + i).to(tdt) for i, n in enumerate(sizes)]
+        kn = [rand(n, hkv, d, seed=100 * r + 50 + i).to(tdt) for i, n in enumerate(sizes)]
+        vn = [rand(n, hkv, d, seed=100 * r + 80 + i).to(tdt) for i, n in enumerate(sizes)]
+        body = st.save({"q": torch.cat(qs), "k": torch.cat(kn), "v": torch.cat(vn),
+                        "q_lengths": torch.tensor(sizes, dtype=torch.int32)}, metadata={"sessions": ",".join(sids)})
+        r_ = http.post("/sessions/attend", headers=ST, content=body)
+        assert r_.status_code == 200, r_.text
+        packed = st.load(r_.content)["o"]
+        at = 0
+        for i, n in enumerate(sizes):
+            q4, k4, v4 = (t.transpose(0, 1)[None] for t in (qs[i], kn[i], vn[i]))
+            alone = step(http, twins[i], q4, k4, v4)["o"][0].transpose(0, 1)
+            assert torch.equal(alone, packed[at : at + n])  # batch invariance
+            ks[i].append(k4)
+            vs[i].append(v4)
+            kk, vv = torch.cat(ks[i], 2), torch.cat(vs[i], 2)
+            o64, _ = attention64(q4, kk, vv, causal=True)
+            ref = attention(http, q4, kk, vv, causal=True)["o"]
+            err = (alone.transpose(0, 1)[None].double() - o64).abs().max()
+            ref_err = (ref.double() - o64).abs().max()
+            assert err <= 2 * ref_err + 1e-3, (err, ref_err)
+            at += n
+    assert metric(http, "attnserve_session_batch_size_count") >= 1
+
+
+def test_packed_steps_have_the_bits_of_single_steps(http):
+    _packed_equals_alone(http, "float32", HQ, HKV, D, n_s=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_steps_match_attention_and_are_batch_invariant(tmp_path, dtype):
-    """On a GPU (the Triton paged kernels): 16 sessions (GQA 8:2, D = 128, page 16) prefill then
-    decode; packed steps give each session the bits of its step alone, within 2x of /attention's
-    error against float64."""
-    tdt = getattr(torch, dtype)
+    """On a GPU (the Triton paged kernels): 16 sessions (GQA 8:2, D = 128, page 16), as
+    ``_packed_equals_alone``."""
     with run_server(tmp_path, "--device", "cuda:0", "--grpc-port", "0", "--kv-page-tokens", "16",
                     "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", dtype) as s, \
             httpx.Client(base_url=s.url, timeout=120.0) as http:
-        hq, hkv, d, n_s = 8, 2, 128, 16
-        sids = [create(http, hkv=hkv, d=d, dtype=dtype)["session"] for _ in range(n_s)]
-        twins = [create(http, hkv=hkv, d=d, dtype=dtype)["session"] for _ in range(n_s)]
-        ks = {i: [] for i in range(n_s)}
-        vs = {i: [] for i in range(n_s)}
-        for r, sizes in enumerate([[17 + 13 * i for i in range(n_s)], [1] * n_s, [1 + i % 3 for i in range(n_s)]]):
-            qs = [rand(n, hq, d, seed=100 * r + i).to(tdt) for i, n in enumerate(sizes)]
-            kn = [rand(n, hkv, d, seed=100 * r + 50 + i).to(tdt) for i, n in enumerate(sizes)]
-            vn = [rand(n, hkv, d, seed=100 * r + 80 + i).to(tdt) for i, n in enumerate(sizes)]
-            body = st.save({"q": torch.cat(qs), "k": torch.cat(kn), "v": torch.cat(vn),
-                            "q_lengths": torch.tensor(sizes, dtype=torch.int32)}, metadata={"sessions": ",".join(sids)})
-            r_ = http.post("/sessions/attend", headers=ST, content=body)
-            assert r_.status_code == 200, r_.text
-            packed = st.load(r_.content)["o"]
-            at = 0
-            for i, n in enumerate(sizes):
-                q4, k4, v4 = (t.transpose(0, 1)[None] for t in (qs[i], kn[i], vn[i]))
-                alone = step(http, twins[i], q4, k4, v4)["o"][0].transpose(0, 1)
-                assert torch.equal(alone, packed[at : at + n])  # batch invariance
-                ks[i].append(k4)
-                vs[i].append(v4)
-                kk, vv = torch.cat(ks[i], 2), torch.cat(vs[i], 2)
-                o64, _ = attention64(q4, kk, vv, causal=True)
-                ref = attention(http, q4, kk, vv, causal=True)["o"]
-                err = (alone.transpose(0, 1)[None].double() - o64).abs().max()
-                ref_err = (ref.double() - o64).abs().max()
-                assert err <= 2 * ref_err + 1e-3, (err, ref_err)
-                at += n
-        assert metric(http, "attnserve_session_batch_size_count") >= 1
+        _packed_equals_alone(http, dtype, 8, 2, 128, n_s=16)
