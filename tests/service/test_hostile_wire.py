@@ -594,3 +594,83 @@ def test_fuzz_oip_grpc_requests(oip, req):
 
 def test_fuzzed_grpc_leaves_the_server_serving(http, native):
     assert_serving(http, native)
+
+
+# ---------------------------------------------------------------- fuzzing: the session routes and rpcs
+
+SESSION = {"layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32"}  # qkv()'s k, v: [1, 2, 3, 4]
+OPTION_JUNK = st.one_of(st.none(), st.sampled_from(["0", "1", "2", "-1", "x", "true", "nan", "1e9", "", "bnhd"]))
+
+
+def _lengths(http, sid: str) -> list[int]:
+    r = http.get(f"/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return r.json()["lengths"]
+
+
+@pytest.fixture(scope="module")
+def session(http):
+    r = http.post("/sessions", json={**SESSION, "session": "fuzzed"})
+    assert r.status_code == 201, r.text
+    yield "fuzzed"
+    http.delete("/sessions/fuzzed")
+
+
+@FUZZ
+@given(case=mutated_safetensors(), layer=OPTION_JUNK, causal=OPTION_JUNK, scale=OPTION_JUNK,
+       layout=OPTION_JUNK, packed=st.booleans(), q_lengths=st.sampled_from([[3], [2], [3, 0], [-1], [4]]))
+def test_fuzz_session_steps_append_nothing_unless_answered(http, session, case, layer, causal, scale, layout,
+                                                           packed, q_lengths):
+    """Steps with mutated safetensors bodies and junk options, single or packed: a 200 or a clear
+    refusal, and the session grows by a step's rows exactly when it was answered."""
+    body, _ = case
+    params = {k: v for k, v in {"layer": layer, "causal": causal, "scale": scale, "layout": layout}.items()
+              if v is not None}
+    before = _lengths(http, session)
+    if packed:  # the file's q, k, v are [1, 2, 3, 4]: a packed step wants them 3-D, so most are refused
+        params["sessions"] = session
+        head, data = body[: 8 + int.from_bytes(body[:8], "little")], body[8 + int.from_bytes(body[:8], "little"):]
+        r = http.post("/sessions/attend", params={**params, "q_lengths": ",".join(map(str, q_lengths))},
+                      content=head + data, headers={"content-type": ST})
+    else:
+        r = http.post(f"/sessions/{session}/attend", params=params, content=body, headers={"content-type": ST})
+    after = _lengths(http, session)
+    if r.status_code == 200:
+        grown = [a - b for a, b in zip(after, before, strict=True)]
+        assert sorted(grown) in ([0, 0], [0, 3]), (grown, r.headers)
+    else:
+        assert_refused(r, HTTP_REFUSALS | {404, 507})
+        assert after == before, "a refused step appended keys"
+
+
+@FUZZ
+@given(doc=st.dictionaries(st.sampled_from(["layers", "num_kv_heads", "head_dim", "dtype", "session", "x"]),
+                           st.one_of(JUNK, st.integers(-2, 300), st.sampled_from(["float16", "bfloat16", "int8",
+                                                                                   "a/b", "attend", "." * 3])),
+                           max_size=6))
+def test_fuzz_session_creates(http, doc):
+    """POST /sessions with any JSON object: 201 (then it is deleted) or a clear refusal."""
+    r = http.post("/sessions", json=doc)
+    if r.status_code == 201:
+        assert http.delete(f"/sessions/{r.json()['session']}").status_code == 204
+    else:
+        assert_refused(r, HTTP_REFUSALS | {409, 507})
+
+
+@FUZZ
+@given(q=grpc_tensors(), k=grpc_tensors(), v=grpc_tensors(), lengths=st.one_of(st.none(), grpc_tensors()),
+       layer=st.integers(-2, 3), layout=st.sampled_from(["", "bnhd", "nope"]), many=st.booleans())
+def test_fuzz_session_attend_rpc(http, native, session, q, k, v, lengths, layer, layout, many):
+    before = _lengths(http, session)
+    msg = apb.SessionAttendRequest(sessions=[session] * (2 if many else 1), q=q, k=k, v=v, layer=layer,
+                                   layout=layout)
+    if lengths is not None:
+        msg.q_lengths.CopyFrom(lengths)
+    status = grpc_status(native.SessionAttend, msg)
+    assert status in GRPC_REFUSALS | {grpc.StatusCode.OK}
+    if status != grpc.StatusCode.OK:
+        assert _lengths(http, session) == before
+
+
+def test_fuzzed_sessions_leave_the_server_serving(http, native):
+    assert_serving(http, native)
