@@ -208,7 +208,6 @@ def recording_proxy(server):
     from concurrent import futures
 
     import httpx
-
     from conftest import free_port
 
     seen: list[tuple[str, str | None]] = []
