@@ -25,6 +25,7 @@ import uvicorn
 from service import allocator
 from service.core import metrics
 from service.core.engine import Engine
+from service.http import forward
 from service.http.limits import limited_protocol
 from service.http.uvicorn_patch import UVICORN_HANDING_OVER, BodyBuffers, hand_over_request_bodies, http_protocol
 from service.sessions import routing
@@ -89,7 +90,7 @@ async def serve(settings: Settings) -> int:
     except ValueError as exc:  # LayerConfigError is a ValueError too
         log.error("cannot start: %s", exc)
         return 2
-    app = routing.wrap_http(create_app(engine, settings), settings)  # session calls reach their process
+    app = forward.wrap_http(create_app(engine, settings), settings)  # session calls reach their process
     bodies = None
     if settings.patch_uvicorn:
         bodies = BodyBuffers(engine.on_gpu, settings.pinned_body_bytes)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from service.errors import BadRequest, NotFound
+from service.grpc import forward
 from service.grpc.codec import deadline_of, declared_bytes, offload, result_bytes, run_concurrently
 from service.grpc.errors import error_status
 from service.grpc.protogen import inference_stubs
-from service.sessions import routing
 from service.wire import oip
 from service.wire import tensors as wire
 
@@ -128,10 +128,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if "sequence_id" not in request.parameters:
             return None
         sid = oip.sequence_id(_parameters(request.parameters).get("sequence_id"))
-        return None if sid is None else routing.grpc_owner(self.engine.settings, [sid], context)
+        return None if sid is None else forward.grpc_owner(self.engine.settings, [sid], context)
 
     async def _forward(self, target: int, request, context):
-        return await routing.forward_grpc(self.engine.settings, target, INFER_METHOD, request, context,
+        return await forward.forward_grpc(self.engine.settings, target, INFER_METHOD, request, context,
                                           pb.ModelInferResponse)
 
     async def ModelInfer(self, request, context):

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service.auth import check_api_key
 from service.errors import BadRequest, NotFound
-from service.grpc import codec, oip
+from service.grpc import codec, forward, oip
 from service.grpc.codec import offload, result_bytes
 from service.grpc.errors import abort, error_status
 from service.grpc.protogen import attention_stubs
@@ -329,3 +329,4 @@ async def shutdown(server: grpc.aio.Server, grace: float) -> None:
     if rpcs is not None and await rpcs.wait_idle(grace):
         await asyncio.sleep(ANSWER_LINGER_S)
     await server.stop(max(0.0, end - loop.time()))
+    await forward.close_channels()  # the channels to the other processes, under --processes

@@ -20,9 +20,9 @@ import asyncio
 from typing import Any
 
 from service.errors import BadRequest
-from service.grpc import codec
+from service.grpc import codec, forward
 from service.grpc.codec import declared_bytes, offload, result_bytes
-from service.sessions import SessionResult, SessionStep, routing
+from service.sessions import SessionResult, SessionStep
 from service.wire.tensors import DTYPE_NAMES
 
 pb = codec.pb
@@ -99,17 +99,17 @@ class SessionServicer:
         return await offload(result_bytes(res.o, res.lse), step_response, res)
 
     async def _forward(self, target: int, method: str, request, context, response_type):
-        return await routing.forward_grpc(self.engine.settings, target, SERVICE + method, request, context,
+        return await forward.forward_grpc(self.engine.settings, target, SERVICE + method, request, context,
                                           response_type)
 
     async def CreateSession(self, request, context):
-        target = routing.grpc_owner(self.engine.settings, [request.session] if request.session else [], context)
+        target = forward.grpc_owner(self.engine.settings, [request.session] if request.session else [], context)
         if target is not None:  # under --processes: the call goes to the process that holds the session
             return await self._forward(target, "CreateSession", request, context, pb.SessionInfo)
         return session_info(self.engine.sessions.create(**create_options(request)))
 
     async def SessionAttend(self, request, context):
-        target = routing.grpc_owner(self.engine.settings, list(request.sessions), context)
+        target = forward.grpc_owner(self.engine.settings, list(request.sessions), context)
         if target is not None:
             return await self._forward(target, "SessionAttend", request, context, pb.AttendResponse)
         return await self._session_step(request, codec.deadline_of(context))
@@ -121,7 +121,7 @@ class SessionServicer:
         async def one(i: int, request):
             rid = request.request_id or str(i)
             try:  # decoded inline: steps reach the manager in stream order
-                target = routing.grpc_owner(self.engine.settings, list(request.sessions), context)
+                target = forward.grpc_owner(self.engine.settings, list(request.sessions), context)
                 if target is not None:
                     async with in_order.setdefault(target, asyncio.Lock()):
                         return await self._forward(target, "SessionAttend", request, context, pb.AttendResponse)
@@ -133,13 +133,13 @@ class SessionServicer:
             yield response
 
     async def GetSession(self, request, context):
-        target = routing.grpc_owner(self.engine.settings, [request.session], context)
+        target = forward.grpc_owner(self.engine.settings, [request.session], context)
         if target is not None:
             return await self._forward(target, "GetSession", request, context, pb.SessionInfo)
         return session_info(self.engine.sessions.describe(request.session))
 
     async def DeleteSession(self, request, context):
-        target = routing.grpc_owner(self.engine.settings, [request.session], context)
+        target = forward.grpc_owner(self.engine.settings, [request.session], context)
         if target is not None:
             return await self._forward(target, "DeleteSession", request, context, pb.DeleteSessionResponse)
         await self.engine.sessions.delete(request.session)

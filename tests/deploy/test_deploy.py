@@ -360,9 +360,9 @@ def test_kubernetes_validate_cli_accepts_every_manifest():
 
 def test_session_affinity_hashes_on_the_header_clients_send():
     """docker/k8s/session-affinity.yaml: the Istio DestinationRule and the Envoy Gateway
-    BackendTrafficPolicy hash on the header the clients send (service.sessions.routing.SESSION_HEADER),
+    BackendTrafficPolicy hash on the header the clients send (service.sessions.SESSION_HEADER),
     for the Service of service.yaml, the policy aimed at the HTTPRoute that sends to it."""
-    from service.sessions.routing import SESSION_HEADER
+    from service.wire import SESSION_HEADER
 
     docs = {d["kind"]: d for d in yaml.safe_load_all((K8S / "session-affinity.yaml").read_text())}
     assert set(docs) == AFFINITY_KINDS

@@ -17,6 +17,7 @@ from conftest import run_server
 from service.client import GrpcAttentionClient
 from service.errors import ServiceError
 from service.sessions import routing
+from service.wire import SESSION_HEADER
 
 HKV, HQ, D = 2, 4, 16
 ST = {"Content-Type": "application/x-safetensors"}
@@ -88,7 +89,7 @@ def test_http_steps_reach_their_process(server):
         for j, s in enumerate(ids):
             seed = 1000 * rnd + 10 * j
             q, k, v = rand(1, HQ, n, D, seed=seed), rand(1, HKV, n, D, seed=seed + 1), rand(1, HKV, n, D, seed=seed + 2)
-            r = call("POST", f"{url}/sessions/{s}/attend", headers={**ST, routing.SESSION_HEADER: s},
+            r = call("POST", f"{url}/sessions/{s}/attend", headers={**ST, SESSION_HEADER: s},
                      content=st.save({"q": q, "k": k, "v": v}))
             assert r.status_code == 200, r.text
             ks[s].append(k)
