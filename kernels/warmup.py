@@ -82,10 +82,11 @@ def warmup_ragged(
     with torch.no_grad():
         for hkv, d in sorted(set(kv_heads_and_dims)):
             for dtype in dtypes:
-                def rand(*shape):
+                def rand(*shape, dtype=dtype):
                     return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-                k_pages, v_pages = rand(sum(pages_each), page_tokens, hkv, d), rand(sum(pages_each), page_tokens, hkv, d)
+                pages = (sum(pages_each), page_tokens, hkv, d)
+                k_pages, v_pages = rand(*pages), rand(*pages)
                 append_paged(k_pages, v_pages, table, before, rand(sum(new), hkv, d), rand(sum(new), hkv, d), cu_new)
                 q = rand(sum(new), hkv, d)
                 attention_paged(q, k_pages, v_pages, table, cache_lens, cu_new, causal=True, return_lse=True)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .flash_fwd import online_softmax_block
+
 LOG2E = 1.4426950408889634
 WORK_FIELDS = 5   # WORK rows: sequence, row tile, key start, key end, partial row (-1: unsplit)
 SEQ_FIELDS = 4    # SEQ rows: q start, n_q, k start (varlen; 0 when paged), n_k
@@ -65,35 +67,8 @@ def _attend(
             v_rows = tok * stride_vt
         kt_ptrs = k_head + k_rows[None, :] + offs_d[:, None] * stride_kd   # K_jᵀ (BLOCK_D, BLOCK_N)
         v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd    # V_j (BLOCK_N, BLOCK_D)
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=(cols[None, :] < n_k) & (offs_d[:, None] < D), other=0.0)
-        elif BLOCK_D != D:
-            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
-        if MASKED:
-            visible = cols[None, :] < n_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= i_rows[:, None] + causal_off)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: -inf - -inf is NaN
-        else:
-            m_use = m_new
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=(cols[:, None] < n_k) & (offs_d[None, :] < D), other=0.0)
-        elif BLOCK_D != D:
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_block(acc, l_i, m_i, q, kt_ptrs, v_ptrs, cols, n_k, i_rows, causal_off,
+                                             qk_scale, D, BLOCK_D, MASKED, IS_CAUSAL, DOT_PREC)
     return acc, l_i, m_i
 
 
