@@ -13,8 +13,10 @@
 #             run.log
 #   service   the engine's, batcher's, layers', processes' and server's GPU tests, then
 #             python -m bench.service engine (batching on/off, large requests, two GPUs, two processes),
-#             python -m bench.http_latency (the HTTP transport), python -m bench.grpc_latency
-#             -> OUTDIR/service/: tests.txt, service.md (engine and HTTP tables), engine.log, http.log, grpc.txt
+#             python -m bench.http_latency (the HTTP transport), python -m bench.grpc_latency,
+#             python -m bench.sessions (session steps over HTTP and gRPC, packed steps, a decode loop)
+#             -> OUTDIR/service/: tests.txt, service.md (engine and HTTP tables), engine.log, http.log,
+#             grpc.txt, sessions.md
 #   loadtest  the Locust matrix {HTTP safetensors, gRPC} x {small, prefill} x {16, 64, 256 users}, one
 #             python -m loadtest.run per cell, against `python -m service` with batching off, then on
 #             -> OUTDIR/loadtest/: results.md, results.csv, plots (with matplotlib), bench.log,
@@ -31,7 +33,7 @@
 #   kernels   KERNELS_BUDGET_S (480): bench.kernels starts no new shape after this; KERNELS_ARGS (none),
 #             e.g. "--sections decode" or "--causal only"
 #   service   ENGINE_ONLY (small,large,multi,procs), ENGINE_SECONDS (2), HTTP_ITERS (150),
-#             HTTP_LARGE_ITERS (4), GRPC_ITERS (500), GRPC_STREAM_CALLS (3000)
+#             HTTP_LARGE_ITERS (4), GRPC_ITERS (500), GRPC_STREAM_CALLS (3000), SESSION_ITERS (100)
 #   loadtest  CELL_S (8 s a cell), PREFILL_CELL_S (45: a prefill call takes seconds under load, so
 #             shorter cells at 256 users may finish no request), USERS ("16 64 256"), MIXES ("small
 #             prefill"), TRANSPORTS ("st grpc"), BATCHING ("off on"), PROCESSES (4 Locust processes),
@@ -171,6 +173,7 @@ bench_service() {
     --iters "${HTTP_ITERS:-150}" --large-iters "${HTTP_LARGE_ITERS:-4}" --write "$dir/service.md"
   step "bench.grpc_latency" "$dir/grpc.txt" "$PYTHON" -m bench.grpc_latency \
     --iters "${GRPC_ITERS:-500}" --stream-calls "${GRPC_STREAM_CALLS:-3000}"
+  step "bench.sessions" "$dir/sessions.md" "$PYTHON" -m bench.sessions --iters "${SESSION_ITERS:-100}"
 }
 
 # ---------------------------------------------------------------- load tests: the server

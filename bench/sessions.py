@@ -1,30 +1,40 @@
 """Session benchmark: a decode step that sends only its new token, against the stateless call that
-re-sends the whole context, and a packed step of many sessions.
+re-sends the whole context; a packed step of many sessions; a decode loop over SessionAttendStream.
 
     python -m bench.sessions                          # starts `python -m service` itself (--device auto)
-    python -m bench.sessions --contexts 1024,8192,32768 --iters 200 --packed 64
+    python -m bench.sessions --contexts 1024,8192,32768 --iters 200 --packed 64 --loop-layers 32
 
-Rows (Hq 32, Hkv 8, D 128, bf16 on a GPU; smaller on the CPU), over HTTP with safetensors bodies:
-  step C          one session holding C cached tokens: POST /sessions/{id}/attend with q, k, v of one
-                  token (the context grows by one token a step); p50/p99 in ms.
+Rows (Hq 32, Hkv 8, D 128, bf16 on a GPU; smaller on the CPU):
+  step C          one session holding C cached tokens: a step with q, k, v of one token (the context
+                  grows by one token a step), over HTTP (POST /sessions/{id}/attend, safetensors) and
+                  gRPC (SessionAttend); p50/p99 in ms, beside the kernel's own time for that step.
   stateless C     POST /attention with q of one token against all C keys and values.
   packed S        one POST /sessions/attend naming S sessions of mixed lengths, one token each,
                   beside the kernel's own time for the same paged launch (read off /metrics is not
                   possible per launch, so the kernel is timed in this process on the same lengths).
+  loop S x L      S sessions decoding over one SessionAttendStream, L layers a token: each layer's
+                  packed step waits for the one before (as a model's layers do); tokens per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import queue
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import safetensors.torch as st
 import torch
 
-from bench.http_latency import local_server, pct
+from bench.http_latency import pct
+from service.client import GrpcAttentionClient
 
 HAS_CUDA = torch.cuda.is_available()
 HQ, HKV, D = (32, 8, 128) if HAS_CUDA else (8, 2, 64)
@@ -75,18 +85,57 @@ def timed(call, iters: int, warmup: int = 5) -> list[float]:
     return xs
 
 
-def step_row(client: httpx.Client, c: int, iters: int) -> tuple:
-    """(context, step bytes, step p50, p99, stateless bytes, stateless p50, p99, stateless/step)."""
+def step_row(client: httpx.Client, grpc_client: GrpcAttentionClient, c: int, iters: int) -> tuple:
+    """(context, step bytes, step p50, p99, stateless bytes, stateless p50, p99, stateless/step,
+    gRPC step p50, p99, kernel ms)."""
     sid = create(client, c, seed=c)
-    bodies = [_body(q=_rand(1, HQ, 1, D, seed=i), k=_rand(1, HKV, 1, D, seed=i + 1),
-                    v=_rand(1, HKV, 1, D, seed=i + 2)) for i in range(8)]
+    tokens = [(_rand(1, HQ, 1, D, seed=i), _rand(1, HKV, 1, D, seed=i + 1), _rand(1, HKV, 1, D, seed=i + 2))
+              for i in range(8)]
+    bodies = [_body(q=q, k=k, v=v) for q, k, v in tokens]
     it = iter(range(10**9))
     step = timed(lambda: _post(client, f"/sessions/{sid}/attend", bodies[next(it) % 8]), iters)
+    grpc_step = timed(lambda: grpc_client.step(sid, *tokens[next(it) % 8]), iters)
     client.delete(f"/sessions/{sid}")
     stateless_body = _body(q=_rand(1, HQ, 1, D, seed=0), k=_rand(1, HKV, c, D, seed=1), v=_rand(1, HKV, c, D, seed=2))
     stateless = timed(lambda: _post(client, "/attention", stateless_body), max(5, iters // 10), warmup=2)
     s50, a50 = statistics.median(step), statistics.median(stateless)
-    return c, len(bodies[0]), s50, pct(step, 99), len(stateless_body), a50, pct(stateless, 99), a50 / s50
+    return (c, len(bodies[0]), s50, pct(step, 99), len(stateless_body), a50, pct(stateless, 99), a50 / s50,
+            statistics.median(grpc_step), pct(grpc_step, 99), kernel_ms([c]) if HAS_CUDA else float("nan"))
+
+
+def loop_row(client: httpx.Client, grpc_client: GrpcAttentionClient, sessions: int, layers: int, context: int,
+             tokens: int) -> tuple:
+    """(sessions, layers, context, tokens/s, ms a layer step): ``sessions`` sessions of ``context``
+    cached tokens on every layer decode ``tokens`` tokens over one SessionAttendStream, one packed
+    step a layer, each sent once the layer before has answered."""
+    ids = []
+    for _ in range(sessions):
+        r = client.post("/sessions", json={"layers": layers, "num_kv_heads": HKV, "head_dim": D,
+                                           "dtype": str(DTYPE).removeprefix("torch.")})
+        r.raise_for_status()
+        ids.append(r.json()["session"])
+    q, k, v = _rand(sessions * context, HQ, D, seed=4), _rand(sessions * context, HKV, D, seed=5), \
+        _rand(sessions * context, HKV, D, seed=6)
+    for layer in range(layers):  # every layer prefilled with ``context`` tokens, one packed step each
+        grpc_client.packed_step(ids, q, k, v, [context] * sessions, layer=layer)
+    q1, k1, v1 = _rand(sessions, HQ, D, seed=7), _rand(sessions, HKV, D, seed=8), _rand(sessions, HKV, D, seed=9)
+    answered: queue.Queue = queue.Queue()
+
+    def requests():
+        for _ in range(tokens):
+            for layer in range(layers):
+                yield {"sessions": ids, "q": q1, "k": k1, "v": v1, "q_lengths": [1] * sessions, "layer": layer}
+                answered.get()  # the next layer's q depends on this layer's answer
+
+    t0 = time.perf_counter()
+    for _, result in grpc_client.session_stream(requests()):
+        if isinstance(result, Exception):
+            raise result
+        answered.put(None)
+    elapsed = time.perf_counter() - t0
+    for sid in ids:
+        client.delete(f"/sessions/{sid}")
+    return sessions, layers, context, sessions * tokens / elapsed, elapsed / (tokens * layers) * 1e3
 
 
 def packed_row(client: httpx.Client, sessions: int, max_context: int, iters: int) -> tuple:
@@ -139,44 +188,95 @@ def kernel_ms(lengths: list[int], page: int = 64) -> float:
     return statistics.median(ts)
 
 
-def render(steps: list[tuple], packed: tuple | None, command: str) -> str:
+def render(steps: list[tuple], packed: tuple | None, loop: tuple | None, command: str) -> str:
     dev = torch.cuda.get_device_name() if HAS_CUDA else "CPU"
     out = [f"{time.strftime('%Y-%m-%d')}, {dev}, torch {torch.__version__}; `{command}`", "",
-           f"Decode step, Hq {HQ} / Hkv {HKV} / D {D}, {str(DTYPE).removeprefix('torch.')}, HTTP safetensors, ms:",
-           "", "| context | step bytes | step p50 | step p99 | stateless bytes | stateless p50 | stateless p99 "
-           "| stateless / step |", "|---|---|---|---|---|---|---|---|"]
-    for c, sb, s50, s99, ab, a50, a99, ratio in steps:
-        out.append(f"| {c} | {sb} | {s50:.3f} | {s99:.3f} | {ab} | {a50:.2f} | {a99:.2f} | {ratio:.1f}x |")
+           f"Decode step, Hq {HQ} / Hkv {HKV} / D {D}, {str(DTYPE).removeprefix('torch.')}, ms (HTTP "
+           "safetensors; gRPC SessionAttend; the kernel's own append + attention):",
+           "", "| context | step bytes | HTTP p50 | HTTP p99 | gRPC p50 | gRPC p99 | kernel | gRPC p50 - kernel "
+           "| stateless bytes | stateless p50 | stateless p99 | stateless / HTTP step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c, sb, s50, s99, ab, a50, a99, ratio, g50, g99, kms in steps:
+        out.append(f"| {c} | {sb} | {s50:.3f} | {s99:.3f} | {g50:.3f} | {g99:.3f} | {kms:.3f} | {g50 - kms:.3f} "
+                   f"| {ab} | {a50:.2f} | {a99:.2f} | {ratio:.1f}x |")
     if packed:
         s, lo, hi, nb, p50, p99, kms = packed
         out += ["", f"Packed step: {s} sessions of {lo}..{hi} cached tokens, one token each:", "",
                 "| sessions | body bytes | p50 ms | p99 ms | kernel ms (append + attention) | p50 / kernel |",
                 "|---|---|---|---|---|---|", f"| {s} | {nb} | {p50:.3f} | {p99:.3f} | {kms:.3f} | {p50 / kms:.2f} |"]
+    if loop:
+        s, layers, c, tps, ms = loop
+        out += ["", f"Decode loop over one SessionAttendStream: {s} sessions of {c} cached tokens, {layers} layers, "
+                "one packed step a layer, each after the one before:", "",
+                "| sessions | layers | context | tokens/s | ms a layer step |", "|---|---|---|---|---|",
+                f"| {s} | {layers} | {c} | {tps:.1f} | {ms:.3f} |"]
     return "\n".join(out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(device: str):
+    """``python -m service`` on free HTTP and gRPC ports, warmed for this benchmark's geometry
+    (its paged kernels too): yields (url, grpc target)."""
+    http, grpc_port = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(http),
+           "--grpc-port", str(grpc_port), "--device", device, "--processes", "1", "--request-timeout-ms", "600000",
+           "--warmup-shapes", f"1x{HKV}x128x{D}", "--warmup-dtypes", str(DTYPE).removeprefix("torch.")]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url, f"127.0.0.1:{grpc_port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running server (default: start one)")
+    ap.add_argument("--grpc-target", help="the running server's gRPC host:port (default: the URL's host, 8001)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--contexts", default="1024,8192,32768" if HAS_CUDA else "256,1024")
     ap.add_argument("--iters", type=int, default=200 if HAS_CUDA else 20)
     ap.add_argument("--packed", type=int, default=64 if HAS_CUDA else 4, help="sessions in the packed row (0: none)")
+    ap.add_argument("--loop-sessions", type=int, default=64 if HAS_CUDA else 4,
+                    help="sessions of the decode loop row (0: none)")
+    ap.add_argument("--loop-layers", type=int, default=32 if HAS_CUDA else 2)
+    ap.add_argument("--loop-context", type=int, default=4096 if HAS_CUDA else 64)
+    ap.add_argument("--loop-tokens", type=int, default=16 if HAS_CUDA else 3)
     args = ap.parse_args(argv)
     command = "python -m bench.sessions " + " ".join(argv if argv is not None else sys.argv[1:])
     contexts = [int(x) for x in args.contexts.split(",") if x]
 
-    def go(url: str) -> str:
-        with httpx.Client(base_url=url, timeout=600) as client:
-            steps = [step_row(client, c, args.iters) for c in contexts]
+    def go(url: str, target: str) -> str:
+        with httpx.Client(base_url=url, timeout=600) as client, GrpcAttentionClient(target, timeout=600) as g:
+            steps = [step_row(client, g, c, args.iters) for c in contexts]
             packed = packed_row(client, args.packed, max(contexts), max(5, args.iters // 4)) if args.packed else None
-        return render(steps, packed, command)
+            loop = loop_row(client, g, args.loop_sessions, args.loop_layers, args.loop_context,
+                            args.loop_tokens) if args.loop_sessions else None
+        return render(steps, packed, loop, command)
 
     if args.url:
-        print(go(args.url))
+        from urllib.parse import urlparse
+
+        print(go(args.url, args.grpc_target or f"{urlparse(args.url).hostname}:8001"))
     else:
-        with local_server(args.device) as (url, _pid):
-            print(go(url))
+        with local_server(args.device) as (url, target):
+            print(go(url, target))
 
 
 if __name__ == "__main__":

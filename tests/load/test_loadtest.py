@@ -346,6 +346,7 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
     for want in ("-m pytest -q -m gpu", f"-m bench.kernels --out-dir {out}/kernels --budget-s 480",
                  "-m bench.service engine --only small,large,multi,procs --seconds 2",
                  "-m bench.http_latency --iters 150 --large-iters 4", "-m bench.grpc_latency --iters 500",
+                 "-m bench.sessions --iters 100",
                  "-m service --host 127.0.0.1", f"-m loadtest.report {out}/loadtest/cells",
                  f"-m loadtest.report {out}/soak/cells"):
         assert any(line.startswith(want) for line in lines), (want, lines)
@@ -441,3 +442,18 @@ def test_session_reference_accepts_the_answer_and_fails_anything_else(plan):
                 ref.check(0, t["q"][2], raw(o), shape, p.dtype, row_pick=i)
         with pytest.raises(WrongAnswer):
             ref.check(0, t["q"][2], raw(right), [1, p.hq, n + 1, p.d], p.dtype, row_pick=i)
+
+
+def test_session_benchmark_prints_every_table_on_the_cpu():
+    """bench/sessions.py end to end on a CPU server of its own (tiny sizes): the step rows over
+    HTTP and gRPC, the packed row and the decode-loop row, with numbers in them."""
+    cmd = [sys.executable, "-m", "bench.sessions", "--device", "cpu", "--contexts", "32", "--iters", "3",
+           "--packed", "2", "--loop-sessions", "2", "--loop-layers", "2", "--loop-context", "8", "--loop-tokens", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 3, proc.stdout
+    step, packed, loop = (r.strip("|").split("|") for r in rows)
+    assert step[0].strip() == "32" and float(step[2]) > 0 and float(step[4]) > 0  # HTTP and gRPC p50
+    assert packed[0].strip() == "2" and float(packed[2]) > 0
+    assert loop[:3] == [" 2 ", " 2 ", " 8 "] and float(loop[3]) > 0  # tokens/s
