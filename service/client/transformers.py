@@ -231,12 +231,8 @@ class SessionCache(Cache):
         q = query.transpose(1, 2)[new].to("cpu", self.dtype)
         k = keys.transpose(1, 2)[new].to("cpu")
         v = values.transpose(1, 2)[new].to("cpu")
-        try:
-            o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v,
-                                        [q_lengths[i] for i in rows], layer=layer_idx, scale=scaling)
-        except BaseException as exc:
-            self._failed = exc
-            raise
+        o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v, [q_lengths[i] for i in rows],
+                                    layer=layer_idx, scale=scaling)
         for i in range(b):
             layer.held[i] += q_lengths[i]
         out = torch.zeros(b, n, hq, d, dtype=query.dtype, device=device)
@@ -298,12 +294,22 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         raise RuntimeError('attn_implementation "attnserve" needs cache=SessionCache(...) '
                            "(and use_cache): no keys were staged for this attention call")
     cache, layer_idx, keys, values, past = entry
-    if keys is not key or values is not value:
-        raise RuntimeError("the keys given to attnserve_attention are not the ones SessionCache.update staged "
-                           f"for layer {layer_idx}: the model changes them between the cache and the attention "
-                           "call, which attnserve cannot serve")
-    if getattr(module, "layer_idx", layer_idx) != layer_idx:
-        raise RuntimeError(f"attention of layer {module.layer_idx} got the keys staged for layer {layer_idx}")
+    try:
+        if keys is not key or values is not value:
+            raise RuntimeError("the keys given to attnserve_attention are not the ones SessionCache.update staged "
+                               f"for layer {layer_idx}: the model changes them between the cache and the attention "
+                               "call, which attnserve cannot serve")
+        if getattr(module, "layer_idx", layer_idx) != layer_idx:
+            raise RuntimeError(f"attention of layer {module.layer_idx} got the keys staged for layer {layer_idx}")
+        _check_options(module, dropout, kwargs)
+        return cache._step(layer_idx, query, key, value, past, attention_mask, scaling), None
+    except BaseException as exc:
+        # the cache counted this layer's new tokens in update; they never reached the sessions
+        cache._failed = exc
+        raise
+
+
+def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
     if dropout:
         raise NotImplementedError(f"attnserve attention has no dropout (got {dropout}); call model.eval()")
     config = getattr(module, "config", None)
@@ -314,7 +320,6 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     for name in ("sliding_window", "softcap", "position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attnserve attention does not support {name}")
-    return cache._step(layer_idx, query, key, value, past, attention_mask, scaling), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attnserve_attention)

@@ -127,8 +127,13 @@ def test_unsupported_cases_raise_and_leave_no_session(models, server, http):
     ids = prompt(5, seed=6)[None]
     with pytest.raises(RuntimeError, match="SessionCache"):  # attnserve without its cache
         generate(served, ids)
-    with SessionCache(http, served, batch_size=1) as cache, pytest.raises(NotImplementedError, match="output_attentions"):
-        generate(served, ids, cache=cache, output_attentions=True, return_dict_in_generate=True)
+    with SessionCache(http, served, batch_size=1) as cache:
+        with pytest.raises(NotImplementedError, match="output_attentions"):
+            generate(served, ids, cache=cache, output_attentions=True, return_dict_in_generate=True)
+        with pytest.raises(RuntimeError, match="an earlier step failed"):  # its positions no longer add up
+            generate(served, ids, cache=cache)
+    with SessionCache(http, served, batch_size=1) as cache, pytest.raises(NotImplementedError, match="pattern"):
+        served(ids, attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool), cache=cache)  # bidirectional
     with SessionCache(http, served, batch_size=2) as cache, pytest.raises(ValueError, match="batch"):
         generate(served, ids, cache=cache)
     dropout = LlamaForCausalLM(copy.deepcopy(served.config)).train()
