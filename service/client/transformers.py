@@ -227,16 +227,19 @@ class SessionCache(Cache):
         q_lengths = new.sum(1).tolist()
         rows = [i for i in range(b) if q_lengths[i] > 0]
         device = query.device
+        out = torch.zeros(b, n, hq, d, dtype=query.dtype, device=device)
+        if not rows:  # every new position a pad: nothing to append, nothing to attend
+            return out
+        real = new.to(device)
         # (B, n) boolean index over the (B, n, H, D) views packs each row's real tokens, in order
-        q = query.transpose(1, 2)[new].to("cpu", self.dtype)
-        k = keys.transpose(1, 2)[new].to("cpu")
-        v = values.transpose(1, 2)[new].to("cpu")
+        q = query.transpose(1, 2)[real].to("cpu", self.dtype)
+        k = keys.transpose(1, 2)[real].to("cpu")
+        v = values.transpose(1, 2)[real].to("cpu")
         o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v, [q_lengths[i] for i in rows],
                                     layer=layer_idx, scale=scaling)
         for i in range(b):
             layer.held[i] += q_lengths[i]
-        out = torch.zeros(b, n, hq, d, dtype=query.dtype, device=device)
-        out[new.to(device)] = o.to(device, query.dtype)
+        out[real] = o.to(device, query.dtype)
         return out
 
 
