@@ -7,6 +7,8 @@
         o = s.step(q, k, v)                                  # sessions (API.md §10): a ``Session``
 
 The gRPC client is imported on first use: the HTTP client needs neither grpcio nor the stubs.
+``service.client.transformers`` (``SessionCache``, ``use_attnserve``) runs a Hugging Face model's
+``generate()`` on sessions; it imports transformers, so nothing here imports it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,330 @@
+"""Hugging Face transformers on attnserve sessions: a Llama-family model's ``generate()`` with its
+attention computed, and its KV cache held, by the server.
+
+    from service.client import AttentionClient
+    from service.client.transformers import SessionCache, use_attnserve
+
+    use_attnserve(model)                                 # config._attn_implementation = "attnserve"
+    with AttentionClient(url) as client, SessionCache(client, model, batch_size=2) as cache:
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=20, do_sample=False)
+
+``SessionCache`` is a transformers ``Cache`` with one server session per batch row (one session
+layer per decoder layer); it keeps only lengths. Its ``update`` stages a layer's new keys and
+values, and the registered attention function ``attnserve_attention`` sends them with the layer's
+queries in one packed step of every row (one call per layer per forward), so the server appends
+them and answers causal attention over everything the row holds. Left-padded batches work: pad
+positions, read from the 4-D mask, never enter a session, and their outputs are zeros.
+
+Not supported (a clear error, never a silent wrong answer): dropout, ``output_attentions``,
+sliding-window, chunked or non-causal attention, additive attention biases, beam search and other
+cache reordering, and cropping (assisted decoding).
+
+This module imports transformers; ``service.client`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from service.client.sessions import Session, dtype_name
+
+__all__ = ["ATTN_IMPLEMENTATION", "SessionCache", "SessionLayer", "attnserve_attention", "use_attnserve"]
+
+ATTN_IMPLEMENTATION = "attnserve"
+
+# The entry ``SessionCache.update`` staged for the attention call that follows it in the same layer
+# forward: the cache has no other way to reach the attention function (the model passes it the
+# keys and values, not the cache). Per thread, so that two models generating in two threads keep
+# their entries apart.
+_staged = threading.local()
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def check_supported(config: Any) -> None:
+    """Raise ``NotImplementedError`` for a config whose attention the sessions cannot serve: only
+    causal full attention over every past token is."""
+    config = _text_config(config)
+    if not getattr(config, "is_causal", True):
+        raise NotImplementedError("attnserve sessions serve causal attention only; this config is not causal")
+    for name in ("sliding_window", "attention_chunk_size"):
+        if getattr(config, name, None) is not None:
+            raise NotImplementedError(f"attnserve sessions serve full attention only; this config sets {name}="
+                                      f"{getattr(config, name)}")
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted(set(layer_types) - {"full_attention"})
+    if other:
+        raise NotImplementedError(f"attnserve sessions serve full attention only; this config has layer types {other}")
+
+
+def use_attnserve(model: Any) -> Any:
+    """Switch ``model`` to the ``"attnserve"`` attention implementation (registered on import of
+    this module); return the model. Its ``generate`` then needs ``cache=SessionCache(...)``."""
+    check_supported(model.config)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+class SessionLayer(CacheLayerMixin):
+    """One decoder layer's view of the sessions: lengths only, the keys and values live on the server.
+
+    ``length`` is the layer's length as transformers counts it (pad positions included, what the
+    masks are sized by); ``held`` [B] is what each row's session holds (pads left out)."""
+
+    is_sliding = False
+    is_croppable = False  # the server cannot drop a session's last tokens
+    is_compileable = False
+
+    def __init__(self, batch_size: int):
+        super().__init__()
+        self.batch_size = batch_size
+        self.length = 0
+        self.held = [0] * batch_size
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, n, D) -> the same tensors: they reach the server in the attention call."""
+        self.length += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask, as for ``DynamicLayer``: every past position, then the new ones."""
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        pass  # nothing is held here
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        raise NotImplementedError("a SessionCache cannot be reset: its sessions hold the keys; make a new SessionCache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("a SessionCache cannot drop tokens (crop): the server's sessions only grow; "
+                                      "assisted decoding is not supported")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("a SessionCache cannot reorder its rows: beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("a SessionCache cannot repeat its rows (num_return_sequences > 1 or beams)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a SessionCache cannot select rows")
+
+
+class SessionCache(Cache):
+    """A transformers ``Cache`` whose keys and values live in server sessions: one session per batch
+    row, one session layer per decoder layer.
+
+    ``SessionCache(client, model_or_config, batch_size=1, dtype=None)``: ``client`` an
+    ``AttentionClient`` or ``GrpcAttentionClient``; the config gives the layers,
+    ``num_key_value_heads`` and ``head_dim``; ``dtype`` the sessions' dtype (default the model's, or
+    the config's, else float32), which the model's keys must have. A context manager: the sessions
+    are deleted on exit (``close()``).
+    """
+
+    def __init__(self, client: Any, model_or_config: Any, batch_size: int = 1,
+                 dtype: torch.dtype | str | None = None):
+        config = getattr(model_or_config, "config", model_or_config)
+        check_supported(config)
+        text = _text_config(config)
+        if dtype is None:
+            dtype = getattr(model_or_config, "dtype", None) if hasattr(model_or_config, "config") else None
+            dtype = dtype or getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype_name(dtype))
+        self.client = client
+        self.dtype: torch.dtype = dtype
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        super().__init__(layers=[SessionLayer(batch_size) for _ in range(self.num_layers)])
+        self.sessions: list[Session] = []
+        self._failed: BaseException | None = None
+        try:
+            for _ in range(batch_size):
+                self.sessions.append(client.create_session(self.num_kv_heads, self.head_dim, dtype,
+                                                           layers=self.num_layers))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.layers[0].held)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, n, D) of layer ``layer_idx`` -> the same tensors, staged for the attention
+        call that follows (which sends them to the server with the queries)."""
+        if self._failed is not None:
+            raise RuntimeError("this SessionCache's sessions no longer match the model's positions: "
+                               f"an earlier step failed ({self._failed!r}); make a new SessionCache")
+        if not self.sessions:
+            raise RuntimeError("this SessionCache is closed: its sessions are deleted")
+        b, hkv, _, d = key_states.shape
+        if b != self.batch_size:
+            raise ValueError(f"the model's batch is {b} rows, the SessionCache was made for {self.batch_size}")
+        if (hkv, d) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"keys (B, {hkv}, n, {d}) do not fit the sessions' (Hkv, D) = "
+                             f"({self.num_kv_heads}, {self.head_dim})")
+        if key_states.dtype != self.dtype:
+            raise ValueError(f"the model's keys are {dtype_name(key_states.dtype)}, the sessions "
+                             f"{dtype_name(self.dtype)}: pass dtype= to SessionCache, or cast the model")
+        past = self.layers[layer_idx].length
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        _staged.entry = (self, layer_idx, keys, values, past)
+        return keys, values
+
+    def close(self) -> None:
+        """Delete the sessions (an already ended one is not an error)."""
+        sessions, self.sessions = self.sessions, []
+        errors = []
+        for s in sessions:
+            try:
+                s.delete(missing_ok=True)
+            except Exception as exc:  # every session gets its delete, then the first error is raised
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> SessionCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _step(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              past: int, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+        """q (B, Hq, n, D), k/v (B, Hkv, n, D) -> o (B, n, Hq, D): one packed step of every row that
+        has a real (not pad) new token; pad positions' o are zeros."""
+        layer = self.layers[layer_idx]
+        b, hq, n, d = query.shape
+        new = _new_tokens(attention_mask, b, n, past, layer.held)  # (B, n) bool: which positions are real
+        q_lengths = new.sum(1).tolist()
+        rows = [i for i in range(b) if q_lengths[i] > 0]
+        device = query.device
+        out = torch.zeros(b, n, hq, d, dtype=query.dtype, device=device)
+        if not rows:  # every new position a pad: nothing to append, nothing to attend
+            return out
+        real = new.to(device)
+        # (B, n) boolean index over the (B, n, H, D) views packs each row's real tokens, in order
+        q = query.transpose(1, 2)[real].to("cpu", self.dtype)
+        k = keys.transpose(1, 2)[real].to("cpu")
+        v = values.transpose(1, 2)[real].to("cpu")
+        o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v, [q_lengths[i] for i in rows],
+                                    layer=layer_idx, scale=scaling)
+        for i in range(b):
+            layer.held[i] += q_lengths[i]
+        out[real] = o.to(device, query.dtype)
+        return out
+
+
+def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, held: list[int]) -> torch.Tensor:
+    """(B, n) bool: which of the n new positions of each row are real tokens (enter the session).
+
+    The mask (B or 1, 1 or H, n, past + n), bool (True: attend) or additive float (0 or very
+    negative), must be causal attention over the row's real positions: the last query row's
+    columns tell which positions are real, and every real query row must see exactly the real
+    positions up to its own. Anything else (an attention bias, a window, a bidirectional block)
+    raises, as do real past positions that do not add up to what the row's session holds."""
+    if attention_mask is None:  # plain causal: every position real
+        if any(h != past for h in held):
+            raise ValueError("no attention mask, but the sessions hold fewer tokens than the cache's length "
+                             f"({held} of {past}): a padded prompt needs its attention_mask on every call")
+        return torch.ones(b, n, dtype=torch.bool)
+    mask = attention_mask.detach().cpu()
+    if mask.ndim != 4 or mask.shape[-2] != n or mask.shape[-1] != past + n:
+        raise NotImplementedError(f"attnserve needs a 4-D mask (B, 1, {n}, {past + n}); got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        attend = mask
+    else:
+        attend = mask == 0
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((attend | blocked).all()):
+            raise NotImplementedError("attnserve cannot apply an additive attention bias (the mask has values other "
+                                      "than 0 and -inf)")
+    attend = attend.expand(b, -1, -1, -1)
+    real = attend[:, 0, -1, :]  # (B, past + n): the last query row sees every real position
+    new = real[:, past:]
+    causal = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    want = causal[None] & real[:, None, :]  # (B, n, past + n)
+    # pad query rows are left out: their outputs are discarded (zeros) whatever they attend to
+    rows = new[:, None, :, None].expand(-1, attend.shape[1], -1, past + n)
+    if not bool((attend == want[:, None]).logical_or(~rows).all()):
+        raise NotImplementedError("attnserve serves causal attention over a row's real tokens only; the mask "
+                                  "has another pattern (a window, a bidirectional block, a custom mask)")
+    held_now = real[:, :past].sum(1).tolist()
+    if held_now != list(held):
+        raise ValueError(f"the mask's real past positions per row ({held_now}) are not what the sessions hold "
+                         f"({list(held)})")
+    return new
+
+
+def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: q (B, Hq, n, D), k/v (B, Hkv, n, D) (the new tokens, as
+    ``SessionCache.update`` returned them), mask (B, 1, n, past + n) or None -> (o (B, n, Hq, D), None).
+
+    One packed step of every row on the server, layer ``module.layer_idx``, with ``scale=scaling``."""
+    entry = getattr(_staged, "entry", None)
+    _staged.entry = None
+    if entry is None:
+        raise RuntimeError('attn_implementation "attnserve" needs cache=SessionCache(...) '
+                           "(and use_cache): no keys were staged for this attention call")
+    cache, layer_idx, keys, values, past = entry
+    try:
+        if keys is not key or values is not value:
+            raise RuntimeError("the keys given to attnserve_attention are not the ones SessionCache.update staged "
+                               f"for layer {layer_idx}: the model changes them between the cache and the attention "
+                               "call, which attnserve cannot serve")
+        if getattr(module, "layer_idx", layer_idx) != layer_idx:
+            raise RuntimeError(f"attention of layer {module.layer_idx} got the keys staged for layer {layer_idx}")
+        _check_options(module, dropout, kwargs)
+        return cache._step(layer_idx, query, key, value, past, attention_mask, scaling), None
+    except BaseException as exc:
+        # the cache counted this layer's new tokens in update; they never reached the sessions
+        cache._failed = exc
+        raise
+
+
+def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+    if dropout:
+        raise NotImplementedError(f"attnserve attention has no dropout (got {dropout}); call model.eval()")
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        raise NotImplementedError("attnserve attention does not return attention weights (output_attentions)")
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise NotImplementedError("attnserve sessions serve causal attention only")
+    for name in ("sliding_window", "softcap", "position_bias", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attnserve attention does not support {name}")
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, attnserve_attention)
+# The causal mask as sdpa gets it: None for a plain causal forward, else bool (True: attend)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -1,0 +1,156 @@
+"""transformers' ``generate()`` of a tiny random Llama (fp32, CPU) with attention and KV cache served
+by a real CPU server's sessions (service/client/transformers.py): greedy tokens identical to the
+local model's, over HTTP and gRPC; a left-padded batch row for row; session lengths; sessions
+deleted afterwards; the unsupported cases raise."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+import torch
+from conftest import run_server
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig  # noqa: E402
+
+from service.client import AttentionClient, GrpcAttentionClient  # noqa: E402
+from service.client.transformers import SessionCache, attnserve_attention, use_attnserve  # noqa: E402
+
+# head_dim 64 / 4 = 16, the warmed head dim; gRPC on (FAST turns it off)
+SERVER_ARGS = ("--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32", "--kv-page-tokens", "5")
+NEW = 12
+PAD = 0
+
+
+def llama_config(**extra) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       pad_token_id=PAD, **extra)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(local, served): the same random weights; local on sdpa, served on attnserve (own config)."""
+    torch.manual_seed(0)
+    local = LlamaForCausalLM(llama_config()).eval()
+    served = LlamaForCausalLM(copy.deepcopy(local.config)).eval()
+    served.load_state_dict(local.state_dict())
+    local.set_attn_implementation("sdpa")
+    return local, use_attnserve(served)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("hf"), *SERVER_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with AttentionClient(server.url, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    with GrpcAttentionClient(server.grpc_target, timeout=60.0) as c:
+        yield c
+
+
+def session_count(server) -> int:
+    return httpx.get(server.url + "/sessions", timeout=60.0).json()["count"]
+
+
+def prompt(n, seed):
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def generate(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_generate_equals_the_local_model(models, server, http, grpc_client, transport):
+    """Greedy tokens identical to the local model's; each layer of the session holds prompt +
+    generated - 1 tokens (the last token is never fed back); no session left afterwards."""
+    local, served = models
+    client = http if transport == "http" else grpc_client
+    ids = prompt(9, seed=1)[None]
+    want = generate(local, ids)
+    with SessionCache(client, served, batch_size=1) as cache:
+        got = generate(served, ids, cache=cache)
+        assert client.get_session(cache.sessions[0])["lengths"] == [9 + NEW - 1] * 2
+        assert cache.get_seq_length() == 9 + NEW - 1
+    assert got.shape == (1, 9 + NEW)
+    assert torch.equal(got, want), (got, want)
+    assert session_count(server) == 0
+
+
+def test_left_padded_batch_equals_the_local_model_row_for_row(models, server, http):
+    """Two prompts of different lengths, left-padded: tokens equal the local model's on the same
+    padded batch and each prompt generated alone; pads never enter a session."""
+    local, served = models
+    a, b = prompt(7, seed=2), prompt(4, seed=3)
+    ids = torch.full((2, 7), PAD, dtype=torch.long)
+    mask = torch.zeros(2, 7, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 3:], mask[1, 3:] = b, 1
+    want = generate(local, ids, attention_mask=mask)
+    with SessionCache(http, served, batch_size=2) as cache:
+        got = generate(served, ids, attention_mask=mask, cache=cache)
+        assert [http.get_session(s)["lengths"] for s in cache.sessions] == [[7 + NEW - 1] * 2, [4 + NEW - 1] * 2]
+    assert torch.equal(got, want), (got, want)
+    for row, alone in ((got[0], generate(local, a[None])[0]), (got[1, 3:], generate(local, b[None])[0])):
+        # a row that reached eos (token 2) alone stops there; in the batch it goes on with pads
+        assert torch.equal(row[:len(alone)], alone) and bool((row[len(alone):] == PAD).all()), (row, alone)
+    assert session_count(server) == 0
+
+
+def test_a_cache_continues_over_two_generate_calls(models, http):
+    """A second ``generate`` on the same cache sends only the tokens the sessions do not hold."""
+    local, served = models
+    ids = prompt(6, seed=4)[None]
+    with SessionCache(http, served, batch_size=1) as cache:
+        first = generate(served, ids, cache=cache)
+        more = torch.cat([first, prompt(3, seed=5)[None]], 1)
+        second = generate(served, more, cache=cache)
+        assert http.get_session(cache.sessions[0])["lengths"] == [more.shape[1] + NEW - 1] * 2
+    assert torch.equal(first, generate(local, ids))
+    assert torch.equal(second, generate(local, more))
+
+
+def test_unsupported_cases_raise_and_leave_no_session(models, server, http):
+    local, served = models
+    ids = prompt(5, seed=6)[None]
+    with pytest.raises(RuntimeError, match="SessionCache"):  # attnserve without its cache
+        generate(served, ids)
+    with SessionCache(http, served, batch_size=1) as cache:
+        with pytest.raises(NotImplementedError, match="output_attentions"):
+            generate(served, ids, cache=cache, output_attentions=True, return_dict_in_generate=True)
+        with pytest.raises(RuntimeError, match="an earlier step failed"):  # its positions no longer add up
+            generate(served, ids, cache=cache)
+    with SessionCache(http, served, batch_size=1) as cache, pytest.raises(NotImplementedError, match="pattern"):
+        served(ids, attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool), cache=cache)  # bidirectional
+    with SessionCache(http, served, batch_size=2) as cache, pytest.raises(ValueError, match="batch"):
+        generate(served, ids, cache=cache)
+    dropout = LlamaForCausalLM(copy.deepcopy(served.config)).train()
+    dropout.config.attention_dropout = 0.1
+    for layer in dropout.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with SessionCache(http, dropout, batch_size=1) as cache, pytest.raises(NotImplementedError, match="dropout"):
+        dropout(ids, cache=cache)
+    # keys changed between the cache's update and the attention call: an error, not a wrong answer
+    with SessionCache(http, served, batch_size=1) as cache:
+        k = v = torch.zeros(1, 2, 1, 16)
+        cache.update(k, v, 0)
+        with pytest.raises(RuntimeError, match="not the ones"):
+            attnserve_attention(served.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16), k.clone(), v, None)
+    assert session_count(server) == 0
+    sliding = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        SessionCache(http, sliding)
+    assert session_count(server) == 0
