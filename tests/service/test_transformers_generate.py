@@ -154,3 +154,28 @@ def test_unsupported_cases_raise_and_leave_no_session(models, server, http):
     with pytest.raises(NotImplementedError, match="sliding_window"):
         SessionCache(http, sliding)
     assert session_count(server) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_bf16_generate_with_a_real_layer_count(tmp_path):
+    """On the GPU: a random Llama of 32 layers, Llama-3-8B's heads (GQA 32/8, head dim 128) and a
+    small hidden state, in bfloat16 on CUDA; the server on the GPU (the paged kernels). Greedy
+    tokens equal the local model's on sdpa for the same weights."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=4096, intermediate_size=512, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1024,
+                         pad_token_id=PAD)
+    local = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    served = LlamaForCausalLM(copy.deepcopy(config)).to(device="cuda", dtype=torch.bfloat16).eval()
+    served.load_state_dict(local.state_dict())
+    local.set_attn_implementation("sdpa")
+    use_attnserve(served)
+    ids = prompt(100, 11)[None].cuda()
+    with run_server(tmp_path, "--device", "cuda:0", "--warmup-shapes", "1x8x128x128", "--warmup-dtypes",
+                    "bfloat16") as s, GrpcAttentionClient(s.grpc_target, timeout=120.0) as client:
+        want = generate(local, ids)
+        with SessionCache(client, served, batch_size=1) as cache:
+            got = generate(served, ids, cache=cache)
+        assert session_count(s) == 0
+    assert torch.equal(got, want), (got, want)
