@@ -54,22 +54,32 @@ def _check_table(block_table: object, cache_lens: object, n_seq: int,
     return bt, cl
 
 
-def _check_coverage(lens: list[int], block_table: torch.Tensor, page: int, n_pages: int, what: str) -> None:
-    """Every sequence's table row holds its first cdiv(lens[s], page) pages; on the CPU, also that
-    those entries name existing pages (on a GPU reading the table would cost a device sync)."""
+def _bad_entries(block_table: torch.Tensor, cache_lens: torch.Tensor, page: int, n_pages: int) -> torch.Tensor:
+    """(S, max_pages) bool, on the table's device: the entries a sequence reads (its first
+    cdiv(cache_lens[s], page)) that name no page. Computed where the table is, so that a GPU call
+    learns whether any is bad in the one device-to-host copy it makes anyway (``host_ints``)."""
+    need = (cache_lens.long().clamp(min=0) + page - 1) // page
+    cols = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need[:, None]
+    return cols & ((block_table < 0) | (block_table >= n_pages))
+
+
+def _check_coverage(lens: list[int], block_table: torch.Tensor, page: int, n_pages: int, what: str,
+                    bad: torch.Tensor | None = None, any_bad: bool = False) -> None:
+    """Every sequence's table row holds its first cdiv(lens[s], page) pages, and (``any_bad``, from
+    ``_bad_entries``' mask ``bad``; on the CPU computed here) those entries name existing pages."""
     max_pages = block_table.shape[1]
     need = [-(-n // page) for n in lens]
     short = next((s for s, n in enumerate(need) if n > max_pages), None)
     if short is not None:
         raise BlockTableError(f"sequence {short} needs {need[short]} pages for {lens[short]} keys {what} "
                               f"(page_tokens {page}) but block_table has {max_pages} columns")
-    if block_table.device.type == "cpu" and need:
-        cols = torch.arange(max_pages)[None, :] < torch.tensor(need)[:, None]
-        used = block_table[cols]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= n_pages):
-            s, j = (cols & ((block_table < 0) | (block_table >= n_pages))).nonzero()[0].tolist()
-            raise BlockTableError(f"block_table[{s}, {j}] = {int(block_table[s, j])} names no page "
-                                  f"(there are {n_pages}, indices 0..{n_pages - 1})")
+    if bad is None and block_table.device.type == "cpu" and need:
+        bad = _bad_entries(block_table, torch.tensor(lens), page, n_pages)
+        any_bad = bool(bad.any())
+    if any_bad:
+        s, j = bad.nonzero()[0].tolist()  # the error path only: its own copy
+        raise BlockTableError(f"block_table[{s}, {j}] = {int(block_table[s, j])} names no page "
+                              f"(there are {n_pages}, indices 0..{n_pages - 1})")
 
 
 def attention_paged(
@@ -95,8 +105,9 @@ def attention_paged(
     j <= i + cache_lens[s] - n_s. Slots past cache_lens[s] are never read.
     Returns o (total_q, heads_q, headdim) in q's dtype and, with return_lse, lse float32
     (heads_q, total_q); rows that see no key give o = 0 and lse = -inf. Each sequence's answer is
-    bit for bit its answer alone. cu_seqlens_q and cache_lens are read on the host (one small copy);
-    page indices are checked on the CPU only. kernel: "auto", "flash", "reference". No gradients.
+    bit for bit its answer alone. cu_seqlens_q and cache_lens are read on the host (one small copy,
+    which also says whether a page index the call reads names no page: checked on every device).
+    kernel: "auto", "flash", "reference". No gradients.
     """
     q = check_tensor3("q", q)
     k_pages, v_pages = _check_pages(k_pages, v_pages)
@@ -105,14 +116,16 @@ def attention_paged(
     cu_q = check_index("cu_seqlens_q", cu_seqlens_q, 1, q.device, SeqLensError, "[S + 1]")
     bt, cl = _check_table(block_table, cache_lens, cu_q.shape[0] - 1, q.device)
     impl = choose_ragged("paged", q.device, q.dtype, kernel)
-    cq, lens = host_ints(cu_q, cl)
+    page = k_pages.shape[1]
+    bad = _bad_entries(bt, cl, page, k_pages.shape[0])  # on a GPU: rides on the lengths' one copy
+    cq, lens, flag = host_ints(cu_q, cl, bad.any().to(torch.int32).reshape(1))
+    any_bad = bool(flag[0])
     q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
     few = next((s for s, (n, nq) in enumerate(zip(lens, q_lens, strict=True)) if n < nq), None)
     if few is not None:
         raise SeqLensError(f"cache_lens[{few}] = {lens[few]} is less than the sequence's {q_lens[few]} query rows "
                            "(cache_lens counts every key, the query rows' own included)")
-    page = k_pages.shape[1]
-    _check_coverage(lens, bt, page, k_pages.shape[0], "")
+    _check_coverage(lens, bt, page, k_pages.shape[0], "", bad, any_bad)
     with torch.no_grad():
         if impl == "flash":
             with on_device(q.device):
