@@ -211,7 +211,7 @@ stop_server() {
 trap stop_server EXIT
 
 rss_mib() {  # the server and its children (--processes)
-  "$PYTHON" -c "from loadtest.run import _tree_rss; print(int(_tree_rss($SERVER_PID) / 2**20))" 2>/dev/null \
+  "$PYTHON" -c "from loadtest.observe import tree_rss; print(int(tree_rss($SERVER_PID) / 2**20))" 2>/dev/null \
     || echo "?"
 }
 
