@@ -18,10 +18,8 @@ import argparse
 import datetime
 import functools
 import math
-import struct
 import sys
 import time
-import zlib
 from pathlib import Path
 
 # this file is bench/kernels.py: keep its folder off sys.path so "kernels" is the package
@@ -35,6 +33,7 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from bench.report import md_table, write_png  # noqa: E402
 from bench.timing import graph_ms, rotated_ms  # noqa: E402
 from kernels import flash as flash_launcher  # noqa: E402
 from kernels.autograd import flash_attention_autograd  # noqa: E402
@@ -288,12 +287,6 @@ def fmt_row(row, providers):
 # ---------------------------------------------------------------- report
 
 
-def md_table(headers, rows):
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
     parts = [f"# Kernel benchmark — {meta['date']}", "",
              f"Card: {meta['card']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}.",
@@ -342,54 +335,6 @@ def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
                   "Colours: flash red, flash_v1 orange, sdpa_flash blue, sdpa_cudnn green, "
                   "sdpa_effic purple, sdpa_math grey. H = 32 up to 16k, 8 at 64k/128k.", ""]
     (out_dir / "kernels.md").write_text("\n".join(parts))
-
-
-def write_png(path: Path, series: dict[str, list[tuple[float, float]]], colors: dict[str, tuple]) -> None:
-    """A minimal line plot written as PNG with zlib alone (matplotlib is not on the GPU image)."""
-    w, h, pad = 640, 400, 30
-    img = [[(255, 255, 255)] * w for _ in range(h)]
-    xs = [x for pts in series.values() for x, _ in pts]
-    if not xs:
-        return
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y1 = 800.0
-
-    def px(x, y):
-        return (pad + int((x - x0) / (x1 - x0) * (w - 2 * pad)), h - pad - int(min(y, y1) / y1 * (h - 2 * pad)))
-
-    for yy in range(0, 801, 100):  # grid every 100 TFLOP/s
-        _, py = px(x0, yy)
-        for xx in range(pad, w - pad):
-            img[py][xx] = (220, 220, 220)
-    for yy in range(pad, h - pad + 1):
-        img[yy][pad] = (0, 0, 0)
-    for xx in range(pad, w - pad):
-        img[h - pad][xx] = (0, 0, 0)
-    for name, pts in series.items():
-        c = colors[name]
-        pts = sorted(pts)
-        for (xa, ya), (xb, yb) in zip(pts, pts[1:], strict=False):
-            (pa, qa), (pb, qb) = px(xa, ya), px(xb, yb)
-            steps = max(abs(pb - pa), abs(qb - qa), 1)
-            for t in range(steps + 1):
-                x_, y_ = pa + (pb - pa) * t // steps, qa + (qb - qa) * t // steps
-                for dy in (-1, 0, 1):
-                    if 0 <= y_ + dy < h:
-                        img[y_ + dy][x_] = c
-        for x, y in pts:
-            cx, cy = px(x, y)
-            for dx in range(-3, 4):
-                for dy in range(-3, 4):
-                    if 0 <= cy + dy < h and 0 <= cx + dx < w:
-                        img[cy + dy][cx + dx] = c
-    raw = b"".join(b"\x00" + bytes(v for p in row for v in p) for row in img)
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) \
-        + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    path.write_bytes(png)
 
 
 def main() -> None:
