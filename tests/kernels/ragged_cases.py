@@ -9,6 +9,7 @@ import torch
 
 from kernels import attention
 from kernels.reference import reference_attention
+from tests.helpers import plain_attention
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -72,19 +73,6 @@ def paginate(k_seqs, v_seqs, page: int, seed=0, share_prefix_pages=0, spare=3):
             n = rows.stop - rows.start
             k_pages[p, :n], v_pages[p, :n] = k[rows], v[rows]
     return k_pages, v_pages, table.to(dev)
-
-
-def plain_attention(q, k, v, *, causal, scale):
-    """Plain PyTorch in the inputs' own dtype, (1, H, N, D): the error yardstick."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    n_q, n_k = q.shape[2], k.shape[2]
-    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
-    if causal:
-        mask = mask.tril(diagonal=n_k - n_q)
-    s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
 
 
 def four(t: torch.Tensor) -> torch.Tensor:
