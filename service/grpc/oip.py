@@ -116,10 +116,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         return _metadata(oip.find_model(self.engine, request.name, request.version))
 
-    async def infer(self, request, deadline: float | None):
-        """One ModelInferRequest -> ModelInferResponse (shared by ModelInfer and ModelStreamInfer)."""
+    async def infer(self, request, deadline: float | None, inline: bool = False):
+        """One ModelInferRequest -> ModelInferResponse (shared by ModelInfer and ModelStreamInfer);
+        ``inline``: decoded on the event loop, so that it reaches the engine before any later call."""
         model = oip.find_model(self.engine, request.model_name, request.model_version)
-        call = await offload(declared_bytes(request), _decode, request, model, deadline)
+        call = await offload(0 if inline else declared_bytes(request), _decode, request, model, deadline)
         outputs = await oip.infer(self.engine, call)
         return await offload(result_bytes(*outputs.values()), _response, request, outputs)
 
@@ -146,8 +147,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request):
             target = self._owner(request, context)
-            if target is None:
-                return await self.infer(request, deadline)
+            if target is None:  # a sequence's steps take effect in stream order: decoded inline
+                return await self.infer(request, deadline, inline="sequence_id" in request.parameters)
             async with in_order.setdefault(target, asyncio.Lock()):
                 return await self._forward(target, request, context)
 

@@ -103,3 +103,34 @@ def test_layers_layer_and_a_start_without_keys(server, native, kind):
     out = infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=0)
     torch.testing.assert_close(out["o"], native.attention(q, k, v), rtol=1e-5, atol=1e-5)
     native.delete_session(str(seq))
+
+
+def test_a_stream_s_sequence_steps_take_effect_in_stream_order(server, native):
+    """ModelStreamInfer: a big prefill chunk (sequence_start, 8 MiB), a second big chunk (1.5 MiB)
+    and decode steps of one sequence, sent back to back on one stream: each is answered as if
+    the ones before it had run. (Big stateless calls are converted in threads, which may finish
+    out of order; a sequence's calls are converted inline, in stream order.)"""
+    hq, hkv, d = 8, 8, 32
+    sizes = [2700, 500, 1, 1]  # q, k, v of 2,700 tokens: ~8 MiB of float32
+    ks, vs, qs = [], [], []
+    for i, n in enumerate(sizes):
+        qs.append(rand(1, hq, n, d, seed=50 + 3 * i))
+        ks.append(rand(1, hkv, n, d, seed=51 + 3 * i))
+        vs.append(rand(1, hkv, n, d, seed=52 + 3 * i))
+    answers = []
+    c = tg.InferenceServerClient(server.grpc_target)
+    c.start_stream(callback=lambda result, error: answers.append((result, error)))
+    for i in range(len(sizes)):
+        inputs = []
+        for name, t in (("q", qs[i]), ("k", ks[i]), ("v", vs[i])):
+            inp = tg.InferInput(name, list(t.shape), "FP32")
+            inp.set_data_from_numpy(t.numpy())
+            inputs.append(inp)
+        c.async_stream_infer("attention", inputs, request_id=str(i), sequence_id="ordered", sequence_start=i == 0,
+                             sequence_end=i == len(sizes) - 1, outputs=[tg.InferRequestedOutput("o")])
+    c.stop_stream()
+    assert all(e is None for _, e in answers), [str(e) for _, e in answers if e is not None]
+    got = {r.get_response().id: torch.from_numpy(np.array(r.as_numpy("o"))) for r, _ in answers}
+    for i in range(len(sizes)):
+        want = native.attention(qs[i], torch.cat(ks[: i + 1], 2), torch.cat(vs[: i + 1], 2), causal=True)
+        torch.testing.assert_close(got[str(i)], want, rtol=1e-5, atol=1e-5)
