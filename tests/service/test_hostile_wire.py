@@ -674,3 +674,18 @@ def test_fuzz_session_attend_rpc(http, native, session, q, k, v, lengths, layer,
 
 def test_fuzzed_sessions_leave_the_server_serving(http, native):
     assert_serving(http, native)
+
+
+@FUZZ
+@given(layers=st.integers(-1, 5), heads=st.integers(-1, 300), head_dim=st.integers(-1, 300),
+       dtype=st.integers(0, 8), name=st.one_of(st.just(""), st.text(max_size=140)))
+def test_fuzz_create_session_rpc(http, native, layers, heads, head_dim, dtype, name):
+    """CreateSession with any field values: OK (then deleted) or a clear refusal."""
+    msg = apb.CreateSessionRequest(session=name, layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+    try:
+        info = native.CreateSession(msg, timeout=30)
+    except grpc.RpcError as exc:
+        assert exc.code() in GRPC_REFUSALS | {grpc.StatusCode.ALREADY_EXISTS}, (exc.code(), exc.details())
+        assert exc.details() and "Traceback" not in exc.details()
+        return
+    native.DeleteSession(apb.DeleteSessionRequest(session=info.session), timeout=30)
