@@ -23,19 +23,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kernels
+from bench.local import local_server as bench_server
 from service.client import GrpcAttentionClient
 from service.grpc.codec import tensor_to_pb
 from service.grpc.protogen import attention_stubs, inference_stubs
@@ -51,38 +48,11 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_server(device: str, shape: str):
-    """``python -m service`` on free ports; yields its gRPC target once health says SERVING."""
-    grpc_port = free_port()
-    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(free_port()),
-           "--grpc-port", str(grpc_port), "--device", device, "--warmup-shapes", shape,
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    target = f"127.0.0.1:{grpc_port}"
-    try:
-        with grpc.insecure_channel(target) as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            deadline = time.monotonic() + 600
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode}")
-                with contextlib.suppress(grpc.RpcError):
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the server did not get ready in 600 s")
-                time.sleep(0.2)
-        yield target
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    """``python -m service`` on free ports, warmed for ``shape``; yields its gRPC target once ready."""
+    with bench_server("--device", device, "--warmup-shapes", shape, "--log-level", "warning") as s:
+        yield s.grpc_target
 
 
 def kernel_p50(q, k, v, device: str, iters: int) -> float:

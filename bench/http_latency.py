@@ -30,18 +30,17 @@ import contextlib
 import http.client as http_client
 import os
 import socket
-import subprocess
 import sys
 import time
 import urllib.parse
 from pathlib import Path
 
-import httpx
 import orjson
 import safetensors.torch as st
 import torch
 
 import kernels
+from bench.local import local_server as bench_server
 from service.client import AttentionClient
 from service.wire.tensors import ServerTiming
 
@@ -310,41 +309,20 @@ def render(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_server(device: str):
     """A server on ``device`` (one process) for the bench: yields (url, pid)."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
-           "--device", device,
-           "--processes", "1",  # one server process, whose page faults the large rows count
-           "--request-timeout-ms", "600000",
-           # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
-           "--max-json-mb", "1024",
-           # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
-           "--warmup-shapes", "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),
-           "--warmup-dtypes", "float16,bfloat16"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with bench_server(
+        "--device", device,
+        "--processes", "1",  # one server process, whose page faults the large rows count
+        "--request-timeout-ms", "600000",
+        # the large JSON row sends ~260 MiB of base64: above the default JSON limit (64 MiB)
+        "--max-json-mb", "1024",
+        # tune exactly what is measured (other shapes would run a default config: --autotune-new-shapes)
+        "--warmup-shapes", "x".join(map(str, SMALL)) + "," + "x".join(map(str, LARGE)),
+        "--warmup-dtypes", "float16,bfloat16", grpc=False,
+    ) as s:  # fmt: skip
+        yield s.url, s.pid
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,21 +19,17 @@ Rows (Hq 32, Hkv 8, D 128, bf16 on a GPU; smaller on the CPU):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import queue
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import safetensors.torch as st
 import torch
 
 from bench.http_latency import pct
+from bench.local import local_server as bench_server
 from service.client import GrpcAttentionClient
 
 HAS_CUDA = torch.cuda.is_available()
@@ -213,36 +209,10 @@ def render(steps: list[tuple], packed: tuple | None, loop: tuple | None, command
     return "\n".join(out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def local_server(device: str):
-    """``python -m service`` on free HTTP and gRPC ports, warmed for this benchmark's geometry
-    (its paged kernels too): yields (url, grpc target)."""
-    http, grpc_port = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--http-port", str(http),
-           "--grpc-port", str(grpc_port), "--device", device, "--processes", "1", "--request-timeout-ms", "600000",
-           "--warmup-shapes", f"1x{HKV}x128x{D}", "--warmup-dtypes", str(DTYPE).removeprefix("torch.")]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env)
-    url = f"http://127.0.0.1:{http}"
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield url, f"127.0.0.1:{grpc_port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    """A server of this benchmark's own, warmed for its geometry (its paged kernels too)."""
+    return bench_server("--device", device, "--processes", "1", "--request-timeout-ms", "600000",
+                        "--warmup-shapes", f"1x{HKV}x128x{D}", "--warmup-dtypes", str(DTYPE).removeprefix("torch."))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
 
         print(go(args.url, args.grpc_target or f"{urlparse(args.url).hostname}:8001"))
     else:
-        with local_server(args.device) as (url, target):
-            print(go(url, target))
+        with local_server(args.device) as s:
+            print(go(s.url, s.grpc_target))
 
 
 if __name__ == "__main__":
