@@ -235,38 +235,53 @@ class Plan:
 def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
                hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
                interpret: bool) -> Plan:
-    """Plan every sequence alone (``sequence_plan``) and list the work items; prefill items are
-    ordered longest first (better tail balance; the order changes no bits)."""
+    """Plan every sequence alone (``sequence_plan``) and list the work items: per sequence, its row
+    tiles by its key splits, in that order; prefill items are then ordered longest first (better
+    tail balance; the order changes no bits). Built with numpy over every item at once: a step of
+    many long sequences has hundreds of split items, and this runs on every call whose lengths
+    are new (a decode step's are, each step)."""
     cfg_d = kernel_config(True, d, dtype, interpret)
     cfg_p = kernel_config(False, d, dtype, interpret)
     sms = num_sms(device)
-    seq_rows, dec, pre, pre_cost, merge = [], [], [], [], []
-    part_rows, q0 = 0, 0
-    for s, (n_q, n_k) in enumerate(zip(q_lens, k_lens, strict=True)):
-        seq_rows.append((q0, n_q, 0 if k_starts is None else k_starts[s], n_k))
-        if n_q > 0:
-            decode, tiles, splits, kps = sequence_plan(n_q, n_k, hq, hkv, cfg_d.block_m, cfg_p.block_m, sms)
-            base = -1
-            if splits > 1:
-                base, part_rows = part_rows, part_rows + splits * n_q
-                merge.extend((q0 + i, base + i, n_q, splits) for i in range(n_q))
-            for tile in range(tiles):
-                for j in range(splits):
-                    k0, k1 = j * kps, min(j * kps + kps, n_k)
-                    item = (s, tile, k0, k1, base + j * n_q if splits > 1 else -1)
-                    if decode:
-                        dec.append(item)
-                    else:
-                        pre.append(item)
-                        hi = min(k1, (tile + 1) * cfg_p.block_m + n_k - n_q) if causal else k1
-                        pre_cost.append(k0 - hi)
-        q0 += n_q
-    if pre:
-        pre = [pre[i] for i in np.argsort(np.asarray(pre_cost), kind="stable")]
-    parts = [np.asarray(seq_rows, dtype=np.int32).reshape(-1, 4), np.asarray(dec, dtype=np.int32).reshape(-1, 5),
-             np.asarray(pre, dtype=np.int32).reshape(-1, 5), np.asarray(merge, dtype=np.int32).reshape(-1, 4)]
-    buf = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]) if parts else np.zeros(0, np.int32))
-    buf = buf.to(device)
+    n_seq = len(q_lens)
+    nq = np.asarray(q_lens, dtype=np.int64).reshape(-1)
+    nk = np.asarray(k_lens, dtype=np.int64).reshape(-1)
+    q0 = np.concatenate([[0], np.cumsum(nq)[:-1]]) if n_seq else np.zeros(0, np.int64)
+    ks = np.zeros(n_seq, np.int64) if k_starts is None else np.asarray(k_starts, dtype=np.int64).reshape(-1)
+    plans = [sequence_plan(int(a), int(b), hq, hkv, cfg_d.block_m, cfg_p.block_m, sms) if a > 0 else (False, 0, 1, 0)
+             for a, b in zip(nq.tolist(), nk.tolist(), strict=True)]
+    decode = np.asarray([p[0] for p in plans], dtype=bool).reshape(-1)
+    tiles = np.asarray([p[1] for p in plans], dtype=np.int64).reshape(-1)
+    splits = np.asarray([p[2] for p in plans], dtype=np.int64).reshape(-1)
+    kps = np.asarray([p[3] for p in plans], dtype=np.int64).reshape(-1)
+    # partial rows: a split sequence takes splits x n_q rows, in sequence order
+    part = np.where(splits > 1, splits * nq, 0)
+    base = np.concatenate([[0], np.cumsum(part)[:-1]]) if n_seq else np.zeros(0, np.int64)
+    part_rows = int(part.sum())
+    # work items: (s, tile, k0, k1, partial row or -1), tile-major then split within a sequence
+    per = tiles * splits
+    s_of = np.repeat(np.arange(n_seq), per)
+    within = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+    sp = splits[s_of]
+    tile, j = within // sp, within % sp
+    k0 = j * kps[s_of]
+    k1 = np.minimum(k0 + kps[s_of], nk[s_of])
+    row = np.where(sp > 1, base[s_of] + j * nq[s_of], -1)
+    items = np.stack([s_of, tile, k0, k1, row], axis=1).astype(np.int32).reshape(-1, 5)
+    dec_mask = decode[s_of]
+    dec, pre = items[dec_mask], items[~dec_mask]
+    if len(pre):
+        ps, pt, pk0, pk1 = s_of[~dec_mask], tile[~dec_mask], k0[~dec_mask], k1[~dec_mask]
+        hi = np.minimum(pk1, (pt + 1) * cfg_p.block_m + nk[ps] - nq[ps]) if causal else pk1
+        pre = pre[np.argsort(pk0 - hi, kind="stable")]
+    # merge rows: each query row of a split sequence, (its row, its first partial row, n_q, splits)
+    split_seq = np.flatnonzero(splits > 1)
+    m_s = np.repeat(split_seq, nq[split_seq])
+    m_i = np.arange(len(m_s)) - np.repeat(np.cumsum(nq[split_seq]) - nq[split_seq], nq[split_seq])
+    merge = np.stack([q0[m_s] + m_i, base[m_s] + m_i, nq[m_s], splits[m_s]], axis=1).astype(np.int32).reshape(-1, 4)
+    seq_rows = np.stack([q0, nq, ks, nk], axis=1).astype(np.int32).reshape(-1, 4)
+    parts = [seq_rows, dec, pre, merge]
+    buf = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(device)
     views, at = [], 0
     for p in parts:
         views.append(buf[at:at + p.size].view(p.shape))
