@@ -21,7 +21,7 @@ from .errors import (
     ShapeError,
 )
 from .paged import append_paged, attention_paged
-from .ragged import BlockTableError, SeqLensError
+from .ragged_checks import BlockTableError, SeqLensError
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnSpec, check_inputs
 from .varlen import attention_varlen
 from .warmup import warmup, warmup_ragged

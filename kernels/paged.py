@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .errors import ShapeError
-from .ragged import (
+from .ragged import choose_ragged, flash_ragged, on_device, reference_ragged
+from .ragged_checks import (
     BlockTableError,
     SeqLensError,
     check_cu,
@@ -25,11 +26,7 @@ from .ragged import (
     check_index,
     check_scale,
     check_tensor3,
-    choose_ragged,
-    flash_ragged,
     host_ints,
-    on_device,
-    reference_ragged,
 )
 
 

@@ -1,6 +1,6 @@
-"""Host side of ragged (varlen) and paged attention: checks, the per-sequence plan, the launches,
-the CPU path and the kernel choice. ``kernels/varlen.py`` and ``kernels/paged.py`` are the public
-entry points; the device code is ``kernels/jit/varlen.py``.
+"""Host side of ragged (varlen) and paged attention: the per-sequence plan, the launches, the CPU
+path and the kernel choice (the input checks: ``kernels/ragged_checks.py``). ``kernels/varlen.py`` and
+``kernels/paged.py`` are the public entry points; the device code is ``kernels/jit/varlen.py``.
 
 One call covers S sequences of any lengths. The host reads the sequences' lengths (one small
 device-to-host copy of the index tensors), plans every sequence alone, and packs the plans into
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,15 +37,8 @@ import torch
 
 from .dispatch import triton_interpret, triton_refusal
 from .errors import (
-    AttentionInputError,
-    DeviceMismatchError,
-    DTypeError,
-    HeadDimError,
     KernelUnavailableError,
-    KVLengthsError,
-    ShapeError,
 )
-from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 log = logging.getLogger("attnserve.kernels")
 
@@ -54,94 +46,6 @@ RAGGED_KERNELS = ("auto", "flash", "reference")
 PACK_ROWS = 64            # a sequence whose GQA group × n_q rows fit here is planned as decode
 SPLIT_KEY_QUANTUM = 256   # split boundaries are multiples of this many keys (a multiple of every BLOCK_N)
 MAX_SPLITS = 64
-
-
-class SeqLensError(KVLengthsError):
-    """cu_seqlens or cache_lens of the wrong shape, dtype, device or values."""
-
-
-class BlockTableError(AttentionInputError):
-    """A block table of the wrong shape, dtype or device, too short for its sequence, or naming a
-    page that does not exist."""
-
-
-# ---- checks ----
-
-def check_tensor3(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 3:
-        raise ShapeError(f"{name} must have 3 dims [T, H, D], got shape {list(t.shape)}")
-    return t
-
-
-def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_name: str = "k, v") -> tuple[int, int, int]:
-    """(Hq, Hkv, D) of q (.., Hq, D) and k/v (.., Hkv, D): dtypes, devices, head counts, head dim."""
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise DTypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise DTypeError(f"q and {kv_name} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise DeviceMismatchError(f"q and {kv_name} must be on one device, got {q.device}, {k.device}, {v.device}")
-    if tuple(k.shape) != tuple(v.shape):
-        raise ShapeError(f"{kv_name} must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-    hq, d = q.shape[-2], q.shape[-1]
-    hkv, dk = k.shape[-2], k.shape[-1]
-    if dk != d:
-        raise ShapeError(f"q has head dim {d} but {kv_name} have head dim {dk}")
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise HeadDimError(f"head dim {d} is not supported; it must be between 1 and {MAX_HEAD_DIM}")
-    if hq < 1 or hkv < 1 or hq % hkv != 0:
-        raise ShapeError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA/MQA")
-    return hq, hkv, d
-
-
-def check_scale(scale: float | None, d: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ShapeError(f"scale must be a finite number, got {scale!r}")
-    return float(scale)
-
-
-def check_index(name: str, t: object, dim: int, device: torch.device, error: type[AttentionInputError],
-                shape: str) -> torch.Tensor:
-    """An int32 index tensor of ``dim`` dims on ``device``."""
-    if not isinstance(t, torch.Tensor):
-        raise error(f"{name} must be an int32 tensor of shape {shape}, got {type(t).__name__}")
-    if t.dim() != dim:
-        raise error(f"{name} must have shape {shape}, got {list(t.shape)}")
-    if t.dtype != torch.int32:
-        raise error(f"{name} must be int32, got {t.dtype}")
-    if t.device != device:
-        raise DeviceMismatchError(f"{name} is on {t.device} but q is on {device}")
-    return t
-
-
-def host_ints(*tensors: torch.Tensor) -> list[list[int]]:
-    """Each tensor's values as a Python list, read in one device-to-host copy."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
-    values = flat.cpu().tolist()
-    out, at = [], 0
-    for t in tensors:
-        out.append(values[at:at + t.numel()])
-        at += t.numel()
-    return out
-
-
-def check_cu(name: str, cu: list[int], total: int, rows_name: str) -> list[int]:
-    """Lengths from cumulative offsets: cu[0] = 0, non-decreasing, ending at ``total``."""
-    if not cu:
-        raise SeqLensError(f"{name} must have S + 1 >= 1 entries")
-    if cu[0] != 0:
-        raise SeqLensError(f"{name} must start at 0, got {cu[0]}")
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    bad = next((s for s, n in enumerate(lens) if n < 0), None)
-    if bad is not None:
-        raise SeqLensError(f"{name} must be non-decreasing; it falls from {cu[bad]} to {cu[bad + 1]} at sequence {bad}")
-    if cu[-1] != total:
-        raise SeqLensError(f"{name} must end at the number of {rows_name} ({total}), got {cu[-1]}")
-    return lens
 
 
 # ---- the plan ----

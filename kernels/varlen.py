@@ -9,19 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .ragged import (
-    SeqLensError,
-    check_cu,
-    check_heads,
-    check_index,
-    check_scale,
-    check_tensor3,
-    choose_ragged,
-    flash_ragged,
-    host_ints,
-    on_device,
-    reference_ragged,
-)
+from .ragged import choose_ragged, flash_ragged, on_device, reference_ragged
+from .ragged_checks import SeqLensError, check_cu, check_heads, check_index, check_scale, check_tensor3, host_ints
 
 
 def attention_varlen(
