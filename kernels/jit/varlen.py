@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .flash_fwd import online_softmax_block
+from .softmax import online_softmax_block
 
 LOG2E = 1.4426950408889634
 WORK_FIELDS = 5   # WORK rows: sequence, row tile, key start, key end, partial row (-1: unsplit)

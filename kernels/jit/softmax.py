@@ -1,0 +1,61 @@
+"""The online softmax's step for one key block (the seed's steps 1-5, base 2), shared by the dense
+(``flash_fwd``) and the varlen/paged (``varlen``) Triton kernels: each finds the block's keys its
+own way (contiguous, packed, or through a block table) and folds them in with this.
+
+Only ``@triton.jit`` code lives here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_block(
+    acc, l_i, m_i, q,            # running O (fp32, unnormalised), l, m (log2 units); the Q tile
+    kt_ptrs, v_ptrs,             # K_jᵀ (BLOCK_D, BLOCK_N) and V_j (BLOCK_N, BLOCK_D) of this key block
+    cols,                        # the block's key indices
+    n_k,                         # keys >= n_k are not there (masked)
+    i_rows, causal_off,          # query index of each row; keys row i sees: j <= i + causal_off
+    qk_scale,                    # scale · log2(e)
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,        # False: every key of the block is visible to every row
+    IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Steps 1-5 of the online softmax for one key block -> (acc, l_i, m_i); the callers find the
+    block's keys (contiguous, varlen or paged) and this reads and folds them in."""
+    if MASKED:
+        kt = tl.load(kt_ptrs, mask=(cols[None, :] < n_k) & (tl.arange(0, BLOCK_D)[:, None] < D), other=0.0)
+    elif BLOCK_D != D:
+        kt = tl.load(kt_ptrs, mask=tl.arange(0, BLOCK_D)[:, None] < D, other=0.0)
+    else:
+        kt = tl.load(kt_ptrs)
+    # step 1: S_ij = Q_i K_jᵀ · scale, in log2 units
+    s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        visible = cols[None, :] < n_k
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= i_rows[:, None] + causal_off)
+        s = tl.where(visible, s, float("-inf"))
+    # steps 2-3: m_new = max(m_i, rowmax(S_ij))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # a row that has seen no key yet: subtract 0, not -inf (-inf - -inf is NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    # step 4: alpha = 2^(m_i - m_new); l_new = alpha·l_i + rowsum(P_ij)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # step 5: O_new = alpha·O_i + P_ij V_j
+    if MASKED:
+        v = tl.load(v_ptrs, mask=(cols[:, None] < n_k) & (tl.arange(0, BLOCK_D)[None, :] < D), other=0.0)
+    elif BLOCK_D != D:
+        v = tl.load(v_ptrs, mask=tl.arange(0, BLOCK_D)[None, :] < D, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
