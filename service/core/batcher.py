@@ -31,32 +31,31 @@ in the worker's ``load`` until its answers are settled; the batcher only reads t
 queue is bounded (``max_queue_size`` requests queued or running): beyond it ``submit`` refuses at
 once with ``QueueFull``.
 
-Deadlines: one heap of every waiting request's deadline and one timer armed at the earliest;
-when it fires, each request past its deadline gets ``DeadlineExceeded`` (a queued one is dropped
-from its queue; a launched one is answered now and its launch's outcome is ignored). This costs a
-heap push per request, where an ``asyncio.timeout`` per request would cost a timer and a context
-each.
+Deadlines (``service.core.deadlines``): one heap of every waiting request's deadline and one
+timer armed at the earliest; when it fires, each request past its deadline gets
+``DeadlineExceeded`` (a queued one is dropped from its queue; a launched one is answered now and
+its launch's outcome is ignored). This costs a heap push per request, where an ``asyncio.timeout``
+per request would cost a timer and a context each.
 
-The module stays whole (about 400 lines): the queue, the dispatch policy and the batch step share
-the per-key queues and counts, and read best as one story in the order a request meets them.
+The queue, the dispatch policy and the batch step stay in this one module: they share the per-key
+queues and counts, and read best as one story in the order a request meets them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from service.core.deadlines import Deadlines
 from service.core.metrics import Metrics
 from service.core.types import AttentionRequest, LayerRequest
 from service.core.worker import Worker
-from service.errors import DeadlineExceeded, QueueFull, ServiceError, Unavailable
+from service.errors import QueueFull, ServiceError, Unavailable
 from service.settings import Settings
 
 log = logging.getLogger("attnserve.batcher")
@@ -126,12 +125,7 @@ class Batcher:
         self._idle.set()
         self._latency_ema = 0.01  # seconds a launch takes, for Retry-After
         self._last_arrival = float("-inf")  # time.monotonic() of the last submit
-        # [deadline, seq, pending]: pending becomes None once answered (dropped lazily, see _forget)
-        self._deadlines: list[list] = []
-        self._deadline_seq = itertools.count()  # ties: no comparison ever reaches the Pending
-        self._forgotten = 0  # entries of _deadlines whose pending is None
-        self._sweep_handle: asyncio.TimerHandle | None = None
-        self._sweep_at: float | None = None  # the deadline the sweep timer is armed for
+        self._deadlines = Deadlines()
 
     # ---- the caller's side ----------------------------------------------------------------------
 
@@ -166,13 +160,7 @@ class Batcher:
         self._held += 1
         self.activity += 1
         self._idle.clear()
-        entry = None
-        deadline = pending.request.deadline
-        if deadline is not None:
-            entry = [deadline, next(self._deadline_seq), pending]
-            heapq.heappush(self._deadlines, entry)
-            if self._sweep_at is None or deadline < self._sweep_at:
-                self._arm_sweep(deadline)
+        entry = self._deadlines.add(pending)
         # The dispatcher runs on the next loop iteration, not here: the requests that arrive in
         # this one (e.g. every submitter a finished batch answered) then close as one batch;
         # dispatched inline, the first arrival would go to an idle worker alone
@@ -185,7 +173,7 @@ class Batcher:
             raise
         finally:
             if entry is not None:
-                self._forget(entry)
+                self._deadlines.forget(entry)
             if not pending.launched:  # deadline passed or caller cancelled while queued: drop it
                 pending.future.cancel()
                 self._remove_queued(pending)
@@ -210,41 +198,6 @@ class Batcher:
             self.activity += 2  # submitted and finished (what idleness checks watch)
             self.metrics.queue_duration_of[pending.kind].observe(0.0)
         return result
-
-    def _arm_sweep(self, deadline: float) -> None:
-        if self._sweep_handle is not None:
-            self._sweep_handle.cancel()
-        # req.deadline is on time.monotonic()'s clock; the loop may have its own
-        loop = asyncio.get_running_loop()
-        self._sweep_handle = loop.call_at(loop.time() + (deadline - time.monotonic()), self._sweep)
-        self._sweep_at = deadline
-
-    def _sweep(self) -> None:
-        """The deadline timer: answer every request past its deadline, re-arm for the next."""
-        self._sweep_handle = self._sweep_at = None
-        heap, now = self._deadlines, time.monotonic()
-        while heap and (heap[0][0] <= now or heap[0][2] is None):
-            entry = heapq.heappop(heap)
-            pending = entry[2]
-            if pending is None:
-                self._forgotten -= 1
-                continue
-            entry[2] = None
-            pending.resolve(DeadlineExceeded("the request's deadline passed before it was answered"))
-        if heap:
-            self._arm_sweep(heap[0][0])
-
-    def _forget(self, entry: list) -> None:
-        """Mark an answered request's heap entry dead; rebuild the heap once most entries are dead,
-        so that answered requests (their tensors) are not held until their deadlines."""
-        if entry[2] is None:  # already popped by the sweep
-            return
-        entry[2] = None
-        self._forgotten += 1
-        if self._forgotten > 64 and 2 * self._forgotten > len(self._deadlines):
-            self._deadlines = [e for e in self._deadlines if e[2] is not None]
-            heapq.heapify(self._deadlines)
-            self._forgotten = 0
 
     def _remove_queued(self, pending: Pending) -> None:
         q = self._queues.get(pending.key)
@@ -271,9 +224,7 @@ class Batcher:
         await self._idle.wait()
 
     async def stop(self) -> None:
-        if self._sweep_handle is not None:
-            self._sweep_handle.cancel()
-            self._sweep_handle = self._sweep_at = None
+        self._deadlines.stop()
         if self._task is not None:
             # Python 3.11's wait_for drops a cancel that comes as its wait ends (the dispatcher was
             # woken, say by a launch that just finished): the dispatcher then waits for ever

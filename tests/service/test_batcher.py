@@ -437,7 +437,7 @@ def test_deadline_of_a_launched_request(gate):
     # launch; the bound checks the deadline timer, loosely (a loaded CI box delays the loop)
     assert 0 <= late_by < 0.5
     assert batcher.held == 0
-    assert sum(e[2] is not None for e in batcher._deadlines) == 0 and len(batcher._deadlines) <= 130
+    assert sum(e[2] is not None for e in batcher._deadlines.heap) == 0 and len(batcher._deadlines.heap) <= 130
 
 
 def test_payload_too_large_refused_before_allocation(gate):
