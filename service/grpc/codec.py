@@ -7,6 +7,7 @@ options beyond decoding belongs to the engine and the kernels.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ DTYPE_OF_ENUM: dict[int, torch.dtype] = {
     v.number: tensors.DTYPES[v.name.lower()] for v in pb.DType.DESCRIPTOR.values if v.number
 }
 ENUM_OF_DTYPE: dict[torch.dtype, int] = {d: n for n, d in DTYPE_OF_ENUM.items()}
+ITEMSIZE_OF_ENUM: dict[int, int] = {n: d.itemsize for n, d in DTYPE_OF_ENUM.items()}
 
 
 def tensor_from_pb(parent, field: str, *, required: bool = True) -> torch.Tensor | None:
@@ -100,18 +102,29 @@ def layer_info(info):
 OFFLOAD_BYTES = 1 << 20  # convert messages bigger than this in a thread, off the event loop
 
 
+@functools.cache
+def _shaped_fields(descriptor) -> tuple[tuple[str, bool, bool], ...]:
+    """(name, repeated, OIP) of a message type's fields whose messages have a ``shape``; OIP: its
+    dtype is a ``datatype`` string, else an attention.v1 ``dtype`` enum."""
+    return tuple((f.name, f.is_repeated, "datatype" in f.message_type.fields_by_name) for f in descriptor.fields
+                 if f.message_type is not None and "shape" in f.message_type.fields_by_name)
+
+
+OIP_ITEMSIZE = {"FP16": 2, "BF16": 2, "FP32": 4, "INT32": 4, "INT64": 8, "FP64": 8}
+
+
 def declared_bytes(message) -> int:
-    """The bytes a request's tensors declare, at 8 an element: their shapes' products over every
-    message field with a ``shape`` (attention.v1 Tensor, OIP input). Whether to convert the request
-    off the event loop; ``ByteSize()`` would serialize the whole message to count it."""
-    elements = 0
-    for field in message.DESCRIPTOR.fields:
-        if field.message_type is None or "shape" not in field.message_type.fields_by_name:
-            continue
-        value = getattr(message, field.name)
-        for item in (value,) if hasattr(value, "DESCRIPTOR") else value:
-            elements += math.prod(item.shape)
-    return 8 * elements
+    """The bytes a request's tensors declare: their shapes' products times their dtypes' sizes
+    (4 where the dtype is unknown), over every message field with a ``shape`` (attention.v1 Tensor,
+    OIP input). Whether to convert the request off the event loop; ``ByteSize()`` would serialize
+    the whole message to count it."""
+    total = 0
+    for name, repeated, oip in _shaped_fields(message.DESCRIPTOR):
+        value = getattr(message, name)
+        for item in value if repeated else (value,):
+            size = OIP_ITEMSIZE.get(item.datatype, 4) if oip else ITEMSIZE_OF_ENUM.get(item.dtype, 4)
+            total += size * math.prod(item.shape)
+    return total
 
 
 async def offload(nbytes: int, fn: Callable, *args, **kwargs):
