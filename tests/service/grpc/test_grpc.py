@@ -555,8 +555,9 @@ def test_declared_bytes_are_the_tensors_bytes():
     """What decides whether a request is converted off the event loop: the bytes its tensors
     declare (shape x dtype size) on attention.v1 and OIP messages, without serializing them; the
     benchmark's small call (1x8x128x64 fp16, 384 KiB) stays inline."""
+    from tritonclient.grpc import service_pb2 as tpb  # tritonclient's messages: see service.grpc.protogen
+
     from service.grpc.codec import OFFLOAD_BYTES, declared_bytes
-    from service.grpc.protogen import inference_stubs
 
     q, k, v = random_qkv((1, 8, 8, 128, 128, 64), torch.float16, 0)
     msg = pb.AttendRequest(q=tensor_to_pb(q), k=tensor_to_pb(k), v=tensor_to_pb(v))
@@ -564,8 +565,7 @@ def test_declared_bytes_are_the_tensors_bytes():
     assert declared_bytes(msg) < OFFLOAD_BYTES
     big = pb.SessionAttendRequest(sessions=["s"], q=tensor_to_pb(torch.zeros(600, 32, 128)))
     assert declared_bytes(big) == 600 * 32 * 128 * 4 + 3 * 4 > OFFLOAD_BYTES
-    ipb = inference_stubs().grpc_predict_v2_pb2
-    req = ipb.ModelInferRequest(model_name="attention")
+    req = tpb.ModelInferRequest(model_name="attention")
     req.inputs.add(name="q", datatype="FP16", shape=[1, 2, 3, 4])
     req.inputs.add(name="k", datatype="FP32", shape=[1, 2, 3, 4])
     assert declared_bytes(req) == 24 * 2 + 24 * 4
