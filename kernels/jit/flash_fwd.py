@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .softmax import online_softmax_block
+from .softmax import key_range, online_softmax_block
 
 LOG2E = 1.4426950408889634
 
@@ -118,13 +118,7 @@ def attn_fwd(
     else:
         kv_len = N_K
     causal_off = N_K - N_Q
-    hi = kv_len
-    full_end = kv_len
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, i_hi + causal_off + 1)
-        full_end = tl.minimum(full_end, i_lo + causal_off + 1)
-    hi = tl.maximum(hi, 0)
-    full_end = tl.minimum(tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N, hi)
+    hi, full_end = key_range(kv_len, causal_off, i_lo, i_hi, BLOCK_N, IS_CAUSAL)
     k0 = pid_s * KEYS_PER_SPLIT
     k1 = k0 + KEYS_PER_SPLIT
 

@@ -1,6 +1,7 @@
-"""The online softmax's step for one key block (the seed's steps 1-5, base 2), shared by the dense
-(``flash_fwd``) and the varlen/paged (``varlen``) Triton kernels: each finds the block's keys its
-own way (contiguous, packed, or through a block table) and folds them in with this.
+"""What the dense (``flash_fwd``) and the varlen/paged (``varlen``) Triton kernels share: the key
+range a row tile reads (``key_range``) and the online softmax's step for one key block (the seed's
+steps 1-5, base 2; ``online_softmax_block``). Each kernel finds the block's keys its own way
+(contiguous, packed, or through a block table) and folds them in with this.
 
 Only ``@triton.jit`` code lives here.
 """
@@ -59,3 +60,18 @@ def online_softmax_block(
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_new
+
+
+@triton.jit
+def key_range(n_keys, causal_off, i_lo, i_hi, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """(hi, full_end) of a tile whose rows are i_lo..i_hi: it reads keys [0, hi), of which
+    [0, full_end) (whole blocks) are visible to every row and need no mask; row i sees the keys
+    j < n_keys with, causal, j <= i + causal_off."""
+    hi = n_keys
+    full_end = n_keys
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, i_hi + causal_off + 1)
+        full_end = tl.minimum(full_end, i_lo + causal_off + 1)
+    hi = tl.maximum(hi, 0)
+    full_end = tl.minimum(tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N, hi)
+    return hi, full_end

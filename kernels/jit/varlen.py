@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax import online_softmax_block
+from .softmax import key_range, online_softmax_block
 
 LOG2E = 1.4426950408889634
 WORK_FIELDS = 5   # WORK rows: sequence, row tile, key start, key end, partial row (-1: unsplit)
@@ -136,13 +136,7 @@ def ragged_fwd(
 
     # the key range: [0, full_end) needs no mask, [full_end, hi) is masked
     causal_off = n_k - n_q
-    hi = n_k
-    full_end = n_k
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, i_hi + causal_off + 1)
-        full_end = tl.minimum(full_end, i_lo + causal_off + 1)
-    hi = tl.maximum(hi, 0)
-    full_end = tl.minimum(tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N, hi)
+    hi, full_end = key_range(n_k, causal_off, i_lo, i_hi, BLOCK_N, IS_CAUSAL)
 
     tok = (q0 + i_rows).to(tl.int64)
     q_ptrs = Q + tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
