@@ -38,7 +38,7 @@
 #             shorter cells at 256 users may finish no request), USERS ("16 64 256"), MIXES ("small
 #             prefill"), TRANSPORTS ("st grpc"), BATCHING ("off on"), PROCESSES (4 Locust processes),
 #             SERVER_ARGS ("--device cuda"), HTTP_PORT (8000), GRPC_PORT (8001), LOCUST_LOGLEVEL (INFO)
-#   soak      SOAK_S (600), SOAK_USERS (128), SOAK_MIX (mixed), SESSION_S (600; 0 skips it),
+#   soak      SOAK_S (600; 0 skips it), SOAK_USERS (128), SOAK_MIX (mixed), SESSION_S (600; 0 skips it),
 #             SESSION_USERS (64), SAMPLE_S (5), IDLE_S (25), SOAK_CELLS
 #             (set to 1: the batching-on matrix after the soak, on the same server); e.g. the prefill
 #             mix at 256 users after a soak (a round of 256 prefill calls can outlast the server's
@@ -248,17 +248,19 @@ matrix() {  # $1: the folder, $2: batching on|off (the server's setting, for the
 
 soak() {  # $1: the folder; the server runs with batching on
   local dir=$1
-  say "soak: mix $SOAK_MIX, st+grpc+oip, $SOAK_USERS users, ${SOAK_S}s, memory every ${SAMPLE_S}s"
   say "server RSS before the load: $(rss_mib) MiB"
-  loadtest "$dir" --mix "$SOAK_MIX" --user-class st,grpc,oip --users "$SOAK_USERS" --spawn-rate 64 \
-    --run-time "${SOAK_S}s" --tag "soak_${SOAK_MIX}_u${SOAK_USERS}_${SOAK_S}s" --label batching=on \
-    --sample-memory "$SERVER_PID" --sample-memory "http://127.0.0.1:$HTTP_PORT" --sample-memory nvidia-smi \
-    --sample-interval "$SAMPLE_S"
-  last_summary
-  # Under load RSS keeps the high-water mark of the bodies in flight (docs/http.md); idle for
-  # --memory-trim-idle-s (10 s by default) the server gives it back: what is left then is what grew.
-  sleep "$IDLE_S"
-  say "server RSS after ${IDLE_S}s idle: $(rss_mib) MiB"
+  if [ "$SOAK_S" -gt 0 ]; then
+    say "soak: mix $SOAK_MIX, st+grpc+oip, $SOAK_USERS users, ${SOAK_S}s, memory every ${SAMPLE_S}s"
+    loadtest "$dir" --mix "$SOAK_MIX" --user-class st,grpc,oip --users "$SOAK_USERS" --spawn-rate 64 \
+      --run-time "${SOAK_S}s" --tag "soak_${SOAK_MIX}_u${SOAK_USERS}_${SOAK_S}s" --label batching=on \
+      --sample-memory "$SERVER_PID" --sample-memory "http://127.0.0.1:$HTTP_PORT" --sample-memory nvidia-smi \
+      --sample-interval "$SAMPLE_S"
+    last_summary
+    # Under load RSS keeps the high-water mark of the bodies in flight (docs/http.md); idle for
+    # --memory-trim-idle-s (10 s by default) the server gives it back: what is left then is what grew.
+    sleep "$IDLE_S"
+    say "server RSS after ${IDLE_S}s idle: $(rss_mib) MiB"
+  fi
   if [ "$SESSION_S" -gt 0 ]; then
     say "sessions: mix sessions, $SESSION_USERS users, ${SESSION_S}s, memory every ${SAMPLE_S}s"
     loadtest "$dir" --mix sessions --users "$SESSION_USERS" --spawn-rate 64 --run-time "${SESSION_S}s" \
