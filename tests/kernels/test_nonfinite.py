@@ -132,6 +132,20 @@ def test_varlen_and_paged_keep_a_bad_sequence_to_itself(kernel, poison):
         assert (o1.double() - want[0].double()).abs().max() <= 3e-2
 
 
+def poisoned_last_row(dtype, poison: str, n_q: int, n_k: int, d: int, device="cuda"):
+    """(q, k, v) of B 1, H 2 with the bad element in the last query row, which sees every key with
+    or without causal (a row that sees few keys may meet only -inf, and one row has no first)."""
+    q, k, v = inputs(dtype, "none", n_q=n_q, n_k=n_k, d=d, device=device)
+    if poison == "q_inf":
+        q[0, 1, -1, 5] = INF
+    elif poison == "q_nan":
+        q[0, 0, -1, 3] = NAN
+    else:                               # every row of head 0 that sees key 9 meets +inf
+        k[0, 0, 9, 0] = INF
+        q[0, 0, :, 0] = q[0, 0, :, 0].abs()
+    return q, k, v
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -140,10 +154,7 @@ def test_gpu_every_kernel(kernel, dtype):
     """On CUDA, every kernel (auto: the Hopper kernels on sm_90) in fp16 and bf16, prefill and decode."""
     for n_q, n_k, d in ((300, 300, 128), (1, 8192, 128), (64, 1000, 64)):
         for poison in POISONS:
-            q, k, v = inputs(dtype, poison, n_q=max(n_q, 3), n_k=n_k, d=d, device="cuda")
-            q = q[:, :, -n_q:] if poison != "q_inf" else q
-            if poison != "q_inf":
-                q[0, 0, :, 0] = q[0, 0, :, 0].abs()  # k_inf: every row of head 0 meets +inf
+            q, k, v = poisoned_last_row(dtype, poison, n_q, n_k, d)
             for causal in (False, True):
                 o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
                 check(o.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, d ** -0.5)
