@@ -14,6 +14,7 @@ import triton
 from .flash import flash_forward
 from .jit import flash_bwd as kern
 from .launch import launch
+from .masks import NO_MASKS, Masks
 from .plan import _bucket, block_d, kv_length_arg
 
 
@@ -71,12 +72,16 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 def flash_attention_autograd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-    kv_lengths: torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None, masks: Masks = NO_MASKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_forward`` with gradients; the plain kernel when no input needs a gradient."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if masks.active:
+            raise ValueError(f"kernel 'flash' has no backward with score modifiers ({masks.describe()}); "
+                             "for gradients use kernel='reference' (or 'auto' on the CPU), or call under "
+                             "torch.no_grad() for the forward alone")
         return FlashAttentionFunction.apply(q, k, v, causal, scale, kv_lengths)
-    return flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+    return flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, masks=masks)
 
 
 def flash_v1_attention_autograd(
