@@ -84,7 +84,7 @@ def attention(
     i_al - left <= j <= i_al + right (-1: that side unbounded; causal bounds the right at 0);
     softcap > 0 turns the scaled score s into softcap · tanh(s / softcap); alibi_slopes, float32
     (heads_q,) or (batch, heads_q) on q's device, adds -slope · |i_al - j| after the cap. Every
-    kernel but "flash_v1" takes them ("auto" never picks a kernel that cannot).
+    kernel but "flash_v1" takes them ("auto" never picks a kernel that cannot), gradients included.
 
     Gradients flow through every kernel: "flash"/"flash_v1" (and "auto" on CUDA) by the Triton
     backward that recomputes P block by block from the saved LSE (deterministic); "reference" and
