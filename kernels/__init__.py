@@ -1,7 +1,8 @@
 """attnserve kernels: exact attention, O = softmax(Q Kᵀ · scale + mask) V, without an N×N matrix.
 
     from kernels import attention
-    o = attention(q, k, v, causal=False, scale=None, kv_lengths=None, return_lse=False, kernel="auto")
+    o = attention(q, k, v, causal=False, scale=None, kv_lengths=None, return_lse=False, kernel="auto",
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
 
 Ragged and paged batches (API.md §5): ``attention_varlen``, ``attention_paged``, ``append_paged``.
 """
@@ -20,6 +21,7 @@ from .errors import (
     KVLengthsError,
     ShapeError,
 )
+from .masks import MaskError
 from .paged import append_paged, attention_paged
 from .ragged_checks import BlockTableError, SeqLensError
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnSpec, check_inputs
@@ -38,6 +40,7 @@ __all__ = [
     "HeadDimError",
     "KVLengthsError",
     "KernelUnavailableError",
+    "MaskError",
     "SeqLensError",
     "ShapeError",
     "append_paged",
@@ -61,6 +64,9 @@ def attention(
     kv_lengths: torch.Tensor | None = None,
     return_lse: bool = False,
     kernel: str = "auto",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact scaled-dot-product attention.
 
@@ -73,18 +79,29 @@ def attention(
     float32 natural-log logsumexp (batch, heads_q, seqlen_q). Rows that see no key give o = 0 and
     lse = -inf.
 
+    Score modifiers, as flash-attn defines them (docs/kernels.md#score-modifiers), with
+    i_al = i + seqlen_k - seqlen_q: window_size (left, right) lets query i see key j only if
+    i_al - left <= j <= i_al + right (-1: that side unbounded; causal bounds the right at 0);
+    softcap > 0 turns the scaled score s into softcap · tanh(s / softcap); alibi_slopes, float32
+    (heads_q,) or (batch, heads_q) on q's device, adds -slope · |i_al - j| after the cap. Every
+    kernel but "flash_v1" takes them ("auto" never picks a kernel that cannot), gradients included.
+
     Gradients flow through every kernel: "flash"/"flash_v1" (and "auto" on CUDA) by the Triton
     backward that recomputes P block by block from the saved LSE (deterministic); "reference" and
     the CPU path by PyTorch autograd. lse itself carries no gradient.
     """
-    spec = check_inputs(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+    spec = check_inputs(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes)
     impl = choose(spec, kernel)
+    opts = dict(causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
+    if spec.masks.active:  # a plain call passes what a plain backend takes
+        opts["masks"] = spec.masks
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         # Triton launches on the current device (and its stream), wherever the tensors are
         with torch.cuda.device(q.device):
-            o, lse = impl.forward(q, k, v, causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
+            o, lse = impl.forward(q, k, v, **opts)
     else:
-        o, lse = impl.forward(q, k, v, causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
+        o, lse = impl.forward(q, k, v, **opts)
     return (o, lse) if return_lse else o
 
 

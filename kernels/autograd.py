@@ -14,14 +14,17 @@ import triton
 from .flash import flash_forward
 from .jit import flash_bwd as kern
 from .launch import launch
-from .plan import _bucket, block_d, kv_length_arg
+from .masks import NO_MASKS, Masks
+from .plan import _bucket, alibi_arg, block_d, kv_length_arg
 
 
 def flash_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, *, causal: bool, scale: float, kv_lengths: torch.Tensor | None = None,
+    masks: Masks = NO_MASKS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D) for o = attention(q, k, v) and upstream grad do."""
+    """dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D) for o = attention(q, k, v) and upstream grad do
+    (the slopes of ``masks`` get no gradient)."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     dev = q.device
@@ -34,13 +37,16 @@ def flash_backward(
     kern.bwd_preprocess[(triton.cdiv(n_q, 64), b * hq)](
         o, do, delta, *o.stride(), *do.stride(), hq, n_q, D=d, BLOCK_D=bd, BLOCK_M=64)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    slopes, stride_ab, stride_ah = alibi_arg(masks, dev)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), stride_ab, stride_ah)
     meta = dict(D=d, BLOCK_D=bd, IS_CAUSAL=bool(causal), HAS_KV_LEN=kv_lengths is not None,
+                WINDOW=masks.window, SOFTCAP=masks.softcap > 0, HAS_ALIBI=masks.alibi is not None,
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, kv_len, *strides, hq, hkv, n_q, n_k,
-                 float(scale), float(scale) * 1.4426950408889634, _bucket(max(n_q, n_k)), hq // hkv)
-    dq_args = (q, k, v, do, lse, delta, dq, kv_len, *strides, hq, hq // hkv, n_q, n_k,
-               float(scale), float(scale) * 1.4426950408889634, _bucket(max(n_q, n_k)))
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, kv_len, slopes, *strides, hq, hkv, n_q, n_k,
+                 float(scale), float(scale) * 1.4426950408889634, *masks.kernel_args(), _bucket(max(n_q, n_k)),
+                 hq // hkv)
+    dq_args = (q, k, v, do, lse, delta, dq, kv_len, slopes, *strides, hq, hq // hkv, n_q, n_k,
+               float(scale), float(scale) * 1.4426950408889634, *masks.kernel_args(), _bucket(max(n_q, n_k)))
     grid_kv = lambda c: (triton.cdiv(n_k, c["BLOCK_N"]), b * hkv)
     grid_q = lambda c: (triton.cdiv(n_q, c["BLOCK_M"]), b * hq)
     launch(kern.bwd_dkdv_tuned, grid_kv, dkdv_args, meta, q)
@@ -49,15 +55,18 @@ def flash_backward(
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, kv_lengths, forward_fn);
-    forward_fn is flash_forward or flash_v1_forward (the backward needs only o and lse);
-    lse carries no gradient."""
+    """o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, kv_lengths, forward_fn, masks);
+    forward_fn is flash_forward or flash_v1_forward (the backward needs only o and lse; flash_v1
+    takes no masks); lse carries no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, kv_lengths, forward_fn=flash_forward):
-        o, lse = forward_fn(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+    def forward(ctx, q, k, v, causal, scale, kv_lengths, forward_fn=flash_forward, masks=NO_MASKS):
+        if masks.active:
+            o, lse = forward_fn(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, masks=masks)
+        else:
+            o, lse = forward_fn(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
         ctx.save_for_backward(q, k, v, o, lse, kv_lengths)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.masks = causal, scale, masks
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -65,18 +74,18 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, kv_lengths = ctx.saved_tensors
         dq, dk, dv = flash_backward(do, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale,
-                                    kv_lengths=kv_lengths)
-        return dq, dk, dv, None, None, None, None
+                                    kv_lengths=kv_lengths, masks=ctx.masks)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_attention_autograd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-    kv_lengths: torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None, masks: Masks = NO_MASKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_forward`` with gradients; the plain kernel when no input needs a gradient."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return FlashAttentionFunction.apply(q, k, v, causal, scale, kv_lengths)
-    return flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+        return FlashAttentionFunction.apply(q, k, v, causal, scale, kv_lengths, flash_forward, masks)
+    return flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, masks=masks)
 
 
 def flash_v1_attention_autograd(

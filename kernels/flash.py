@@ -43,7 +43,21 @@ from .launch import (  # noqa: F401 - freeze_autotuning, interpreting: public na
     launch,
     launch_plain,
 )
-from .plan import _bucket, _cdiv, _combine_launch, block_d, kv_length_arg, merge_rows_per_program, plan, tell
+from .masks import NO_MASKS, Masks
+from .plan import (
+    _bucket,
+    _cdiv,
+    _combine_launch,
+    alibi_arg,
+    block_d,
+    kv_length_arg,
+    merge_rows_per_program,
+    plan,
+    tell,
+)
+
+# why the Hopper kernels refuse a call with score modifiers: their loops have no place for them
+NO_MASKS_HERE = "no window_size, softcap or alibi_slopes in this kernel"
 
 
 def flash_forward(
@@ -57,11 +71,13 @@ def flash_forward(
     num_splits: int | None = None,
     tma: bool | None = None,
     gluon: bool = True,
+    masks: Masks = NO_MASKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32. ``num_splits`` forces the number
     of key splits and ``tma`` the TMA kernels on (where their layout rules allow, whatever the
     sizes) or off; ``gluon=False`` takes ``attn_fwd_tma`` where ``attn_fwd_ws`` would serve (tests,
-    benchmarks). None lets ``plan`` and ``tma_path`` choose."""
+    benchmarks). None lets ``plan`` and ``tma_path`` choose. ``masks`` (window, softcap, ALiBi)
+    run on ``attn_fwd`` only, split or not: the Gluon and TMA kernels refuse them."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
@@ -69,7 +85,8 @@ def flash_forward(
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
     # the Gluon kernels: decode (packed or split) or, at D 128 in 16 bits, prefill (a cheap
     # superset of gluon_path's rules here; _recipe checks them all once per problem)
-    if tma is not False and gluon and not interpreting() and (
+    masked = masks.active
+    if tma is not False and gluon and not masked and not interpreting() and (
             pack > 1 or splits > 1 or (d == 128 and q.dtype in _16BIT and (
                 tma or min(n_q, n_k) >= (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N)))):
         recipe = _recipe(q, k, v, kv_lengths, causal, num_splits, tma, pack, splits, kps)
@@ -78,7 +95,8 @@ def flash_forward(
     o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
-    if tma is not False and tma_refusal(q, k, v, causal, scale, pack, splits, sizes=tma is None) is None:
+    if tma is not False and not masked and tma_refusal(q, k, v, causal, scale, pack, splits,
+                                                       sizes=tma is None) is None:
         # it builds its tensor descriptors on the device, in scratch that launch._run allocates,
         # or, where Triton launches it (the interpreter, a profiler's hooks, direct launches off),
         # from this allocator: a ContextVar, so set in the launching thread (the service launches
@@ -95,33 +113,35 @@ def flash_forward(
         lse_part = torch.empty(splits, b, hq, n_q, dtype=torch.float32, device=dev)
         out = (o_part, lse_part, o_part.stride(), lse_part.stride())
     if tma:  # attn_decode and attn_fwd_ws (above) take every problem of theirs TMA can describe
-        why = tma_refusal(q, k, v, causal, scale, pack, splits, sizes=False)
+        why = NO_MASKS_HERE if masked else tma_refusal(q, k, v, causal, scale, pack, splits, sizes=False)
         raise ValueError(f"tma=True: this problem does not fit the TMA kernel: {why}")
-    if _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps):
+    if _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps, masks):
         tell(q, k, causal, kv_lengths is not None, pack, splits, "attn_fwd",
-             lambda: _why_not(q, k, v, causal, scale, pack, splits, tma, gluon, "attn_fwd"))
+             lambda: _why_not(q, k, v, causal, scale, pack, splits, tma, gluon, "attn_fwd", masked))
     if splits > 1:
         combine(o_part, lse_part, o, lse)
     return o, lse
 
 
 def _forward_triton(q, k, v, out, kv_len, has_kv_len: bool, scale: float, causal: bool,
-                    pack: int, splits: int, kps: int) -> bool:
+                    pack: int, splits: int, kps: int, masks: Masks = NO_MASKS) -> bool:
     """attn_fwd into ``out`` (as ``hopper._decode_launch``'s); True when ``launch`` worked it out anew."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     bd = block_d(d)
     rows = pack * n_q
     o_out, lse_out, so, sl = out
+    slopes, stride_ab, stride_ah = alibi_arg(masks, q.device)
     args = (
-        q, k, v, o_out, lse_out, kv_len,
-        *q.stride(), *k.stride(), *v.stride(), *so, *sl,
-        hq, hq // hkv, n_q, n_k, scale * kern.LOG2E, kps, _bucket(n_q), _bucket(n_k),
+        q, k, v, o_out, lse_out, kv_len, slopes,
+        *q.stride(), *k.stride(), *v.stride(), stride_ab, stride_ah, *so, *sl,
+        hq, hq // hkv, n_q, n_k, scale * kern.LOG2E, *masks.kernel_args(), kps, _bucket(n_q), _bucket(n_k),
     )
     # split-KV: the splits of one head side by side in the grid, so that the programs running
     # together read neighbouring keys (see docs/benchmarks/kernels.md#decode)
     meta = dict(
-        D=d, BLOCK_D=bd, IS_CAUSAL=bool(causal), HAS_KV_LEN=has_kv_len, PACK=pack,
+        D=d, BLOCK_D=bd, IS_CAUSAL=bool(causal), HAS_KV_LEN=has_kv_len, WINDOW=masks.window,
+        SOFTCAP=masks.softcap > 0, HAS_ALIBI=masks.alibi is not None, PACK=pack,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLITS_FIRST=splits > 1,
     )
 
@@ -161,11 +181,14 @@ def _forward_tma(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> boo
 
 
 def _why_not(q, k, v, causal: bool, scale: float, pack: int, splits: int, tma: bool | None, gluon: bool,
-             kernel: str) -> dict[str, str]:
+             kernel: str, masked: bool = False) -> dict[str, str]:
     """Why each kernel faster than ``kernel`` (one of the Triton two) refused this problem, in
     ``flash_forward``'s order; for ``plan.tell``'s log line."""
     sizes = tma is None
     refused = {}
+    if masked:
+        return {name: NO_MASKS_HERE for name in (("attn_decode",) if pack > 1 or splits > 1
+                                                  else ("attn_fwd_ws", "attn_fwd_tma"))}
     gluon_off = "tma=False" if tma is False else None if gluon else "gluon=False"
     if pack > 1 or splits > 1:
         refused["attn_decode"] = gluon_off or decode_refusal(q, k, v, pack, splits)

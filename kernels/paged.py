@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ShapeError
+from .masks import check_masks
 from .ragged import choose_ragged, flash_ragged, on_device, reference_ragged
 from .ragged_checks import (
     BlockTableError,
@@ -90,6 +91,9 @@ def attention_paged(
     scale: float | None = None,
     return_lse: bool = False,
     kernel: str = "auto",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of S sequences' newest query rows over their keys in a paged cache.
 
@@ -105,6 +109,8 @@ def attention_paged(
     bit for bit its answer alone. cu_seqlens_q and cache_lens are read on the host (one small copy,
     which also says whether a page index the call reads names no page: checked on every device).
     kernel: "auto", "flash", "reference". No gradients.
+    window_size, softcap, alibi_slopes: as ``kernels.attention``'s (docs/kernels.md#score-modifiers),
+    row i of sequence s at position i + cache_lens[s] - n_s; alibi_slopes float32 (Hq,) or (S, Hq).
     """
     q = check_tensor3("q", q)
     k_pages, v_pages = _check_pages(k_pages, v_pages)
@@ -112,6 +118,8 @@ def attention_paged(
     scale = check_scale(scale, d)
     cu_q = check_index("cu_seqlens_q", cu_seqlens_q, 1, q.device, SeqLensError, "[S + 1]")
     bt, cl = _check_table(block_table, cache_lens, cu_q.shape[0] - 1, q.device)
+    masks = check_masks(window_size, softcap, alibi_slopes, rows=cu_q.shape[0] - 1, heads_q=q.shape[1],
+                        device=q.device, causal=bool(causal), rows_name="S")
     impl = choose_ragged("paged", q.device, q.dtype, kernel)
     page = k_pages.shape[1]
     bad = _bad_entries(bt, cl, page, k_pages.shape[0])  # on a GPU: rides on the lengths' one copy
@@ -127,12 +135,12 @@ def attention_paged(
         if impl == "flash":
             with on_device(q.device):
                 o, lse = flash_ragged(q, k_pages, v_pages, q_lens, lens, causal=bool(causal), scale=scale,
-                                      block_table=bt)
+                                      block_table=bt, masks=masks)
         else:
             def keys(s: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return gather_pages(k_pages, bt[s], lens[s]), gather_pages(v_pages, bt[s], lens[s])
 
-            o, lse = reference_ragged(q, q_lens, keys, causal=bool(causal), scale=scale)
+            o, lse = reference_ragged(q, q_lens, keys, causal=bool(causal), scale=scale, masks=masks)
     return (o, lse) if return_lse else o
 
 

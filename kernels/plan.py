@@ -62,6 +62,21 @@ def kv_length_arg(kv_lengths: torch.Tensor | None, n_k: int, device: torch.devic
     return kv_lengths.to(device=device, dtype=torch.int32).clamp(0, n_k).contiguous()
 
 
+def alibi_arg(masks, device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """The kernels' ALIBI argument and its (row, head) strides: the float32 slopes (rows, Hq), a
+    stride of 0 between rows for one shared set, or a placeholder when there are none."""
+    if masks.alibi is None:
+        return _no_slopes(device), 0, 0
+    slopes = masks.alibi
+    return slopes, (0 if slopes.shape[0] == 1 else slopes.stride(0)), slopes.stride(1)
+
+
+@functools.cache
+def _no_slopes(device: torch.device) -> torch.Tensor:
+    """A placeholder float32 pointer for kernels launched without ALiBi slopes."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
 @functools.lru_cache(maxsize=4096)  # on every call's path: memoised, as its Python costs host time
 def plan(b: int, hq: int, hkv: int, n_q: int, n_k: int, device: torch.device,
          num_splits: int | None = None) -> tuple[int, int, int]:

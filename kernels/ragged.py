@@ -39,6 +39,7 @@ from .dispatch import triton_interpret, triton_refusal
 from .errors import (
     KernelUnavailableError,
 )
+from .masks import NO_MASKS, Masks
 
 log = logging.getLogger("attnserve.kernels")
 
@@ -218,8 +219,10 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequence[int],
                  k_lens: Sequence[int], *, causal: bool, scale: float, k_starts: Sequence[int] | None = None,
-                 block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """o (Tq, Hq, D) in q's dtype and lse (Hq, Tq) float32 by ``ragged_fwd`` (and ``ragged_merge``).
+                 block_table: torch.Tensor | None = None,
+                 masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
+    """o (Tq, Hq, D) in q's dtype and lse (Hq, Tq) float32 by ``ragged_fwd`` (and ``ragged_merge``);
+    ``masks``' ALiBi slopes are (1 or S, Hq).
 
     Varlen (``block_table`` None): k, v (Tk, Hkv, D), sequence s's keys at rows
     k_starts[s] : k_starts[s] + k_lens[s]. Paged: k, v (P, page_tokens, Hkv, D), key j of sequence
@@ -249,15 +252,20 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
         page = 1
         kst, vst = (0, *k.stride()), (0, *v.stride())
         bt, bt_strides = _placeholder(dev, torch.int32), (0, 0)
+    from .plan import alibi_arg
+
+    slopes, stride_as, stride_ah = alibi_arg(masks, dev)
     launch = plain_launcher()
     bd = block_d(d)
     for work, cfg, decode in ((plan.decode, plan.cfg_decode, True), (plan.prefill, plan.cfg_prefill, False)):
         if work.shape[0] == 0:
             continue
-        args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, *q.stride(), *kst, *vst,
-                *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E)
+        args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, slopes, *bt_strides, stride_as, stride_ah,
+                *q.stride(), *kst, *vst, *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E,
+                *masks.kernel_args())
         consts = dict(D=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACK=decode, PAGED=paged,
                       PAGE=page, PAGE_BLOCK=paged and page_block(cfg.block_n, page), IS_CAUSAL=bool(causal),
+                      WINDOW=masks.window, SOFTCAP=masks.softcap > 0, HAS_ALIBI=masks.alibi is not None,
                       DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
         launch(jit.ragged_fwd, (work.shape[0], hkv if decode else hq, 1), args, consts,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -278,7 +286,7 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 # ---- the CPU path ----
 
 def sequence_attention(q_s: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, *, causal: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float, masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence by the project's O(N)-memory PyTorch attention: q_s (n_q, Hq, D), k_s/v_s
     (n_k, Hkv, D) -> o (n_q, Hq, D), lse (Hq, n_q). ``cpu_attention`` on the CPU (torch's CPU flash
     kernel), ``blockwise_attention`` elsewhere."""
@@ -290,14 +298,14 @@ def sequence_attention(q_s: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor, 
                                                      device=q_s.device)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q_s, k_s, v_s))
     fn = cpu_attention if q_s.device.type == "cpu" else blockwise_attention
-    o, lse = fn(q4, k4, v4, causal=causal, scale=scale)
+    o, lse = fn(q4, k4, v4, causal=causal, scale=scale, masks=masks)
     return o[0].transpose(0, 1), lse[0]
 
 
 def reference_ragged(q: torch.Tensor, q_lens: Sequence[int], keys: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                     *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     *, causal: bool, scale: float, masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
     """o (Tq, Hq, D), lse (Hq, Tq): each sequence alone through ``sequence_attention``;
-    ``keys(s)`` gives sequence s's k, v (n_k, Hkv, D)."""
+    ``keys(s)`` gives sequence s's k, v (n_k, Hkv, D); ``masks``' ALiBi slopes are (1 or S, Hq)."""
     t_q, hq, d = q.shape
     o = torch.empty(t_q, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(hq, t_q, dtype=torch.float32, device=q.device)
@@ -309,7 +317,7 @@ def reference_ragged(q: torch.Tensor, q_lens: Sequence[int], keys: Callable[[int
             # other bits than a 64-byte-aligned one), so a row's answer must not depend on where it
             # lies in the packed q, or in the request's buffer
             q_s = q[q0:q0 + n_q].clone(memory_format=torch.contiguous_format)
-            o_s, lse_s = sequence_attention(q_s, k_s, v_s, causal=causal, scale=scale)
+            o_s, lse_s = sequence_attention(q_s, k_s, v_s, causal=causal, scale=scale, masks=masks.sliced(s, s + 1))
             o[q0:q0 + n_q], lse[:, q0:q0 + n_q] = o_s, lse_s
         q0 += n_q
     return o, lse

@@ -1,12 +1,15 @@
 """Plain-PyTorch attention: the reference, and an exact blockwise CPU path with O(N) memory.
 
 Both take q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), accumulate in float32 (float64 stays float64)
-and return (o, lse) with o in q's dtype and lse float32 (B, Hq, Nq). Both support autograd.
+and return (o, lse) with o in q's dtype and lse float32 (B, Hq, Nq). Both support autograd, and
+the score modifiers of ``kernels/masks.py`` (window, softcap, ALiBi).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .masks import NO_MASKS, Masks, modify_scores, visible
 
 
 def _expand_kv(k: torch.Tensor, group: int) -> torch.Tensor:
@@ -26,6 +29,7 @@ def reference_attention(
     causal: bool,
     scale: float,
     kv_lengths: torch.Tensor | None = None,
+    masks: Masks = NO_MASKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Materialises S (B, Hq, Nq, Nk): the plainest correct statement of the contract."""
     acc = _acc_dtype(q.dtype)
@@ -33,7 +37,10 @@ def reference_attention(
     n_q, n_k = q.shape[2], k.shape[2]
     qf, kf, vf = q.to(acc), _expand_kv(k, group).to(acc), _expand_kv(v, group).to(acc)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (B, Hq, Nq, Nk)
-    mask = _mask(n_q, n_k, 0, 0, n_q, n_k, causal, kv_lengths, q.device)
+    if masks.softcap > 0 or masks.alibi is not None:
+        r, c = torch.arange(n_q, device=q.device), torch.arange(n_k, device=q.device)
+        s = modify_scores(s, r, c, n_q, n_k, masks)
+    mask = _mask(n_q, n_k, 0, 0, n_q, n_k, causal, kv_lengths, q.device, masks)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     o, lse = _finish(s, vf)
@@ -42,15 +49,14 @@ def reference_attention(
 
 def _mask(
     rows: int, cols: int, r0: int, c0: int, n_q: int, n_k: int, causal: bool,
-    kv_lengths: torch.Tensor | None, device: torch.device,
+    kv_lengths: torch.Tensor | None, device: torch.device, masks: Masks = NO_MASKS,
 ) -> torch.Tensor | None:
-    """Bool (B|1, 1, rows, cols) window at (r0, c0) of the (n_q, n_k) visibility mask, or None."""
-    mask = None
+    """Bool (B|1, 1, rows, cols) tile at (r0, c0) of the (n_q, n_k) visibility mask, or None."""
     c = torch.arange(c0, c0 + cols, device=device)
-    if causal:
-        r = torch.arange(r0, r0 + rows, device=device)
-        # bottom-right alignment: the last query sees every key
-        mask = (c[None, :] <= r[:, None] + (n_k - n_q))[None, None]
+    # bottom-right alignment (causal and the window): the last query sees the last key
+    mask = visible(torch.arange(r0, r0 + rows, device=device), c, n_q, n_k, causal, masks)
+    if mask is not None:
+        mask = mask[None, None]
     if kv_lengths is not None:
         pad = (c[None, :] < kv_lengths.to(device=device, dtype=torch.int64)[:, None])[:, None, None, :]
         mask = pad if mask is None else mask & pad
@@ -77,19 +83,24 @@ def blockwise_attention(
     causal: bool,
     scale: float,
     kv_lengths: torch.Tensor | None = None,
+    masks: Masks = NO_MASKS,
     max_block_elems: int = 1 << 22,
     block_k: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seed's tiling + online softmax in PyTorch: never holds more than one S block.
+    """The seed's tiling + online softmax in PyTorch: never holds more than one S block per batch
+    element. Key blocks outside every row's causal range or window are never visited.
 
-    Extra memory is O(B·H·(Nq·D + block)), with a block of at most ``max_block_elems`` scores.
+    Extra memory is O(B·H·(Nq·D + block)), with a block of at most ``max_block_elems`` scores
+    per batch element. The tiles never depend on B: a batched answer is the answer alone.
     """
     acc = _acc_dtype(q.dtype)
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     group = hq // hkv
     block_k = min(n_k, block_k)
-    block_q = max(1, min(n_q, max_block_elems // max(1, b * hq * block_k)))
+    block_q = max(1, min(n_q, max_block_elems // max(1, hq * block_k)))
+    off = n_k - n_q  # row i's aligned position is i + off
+    modify = masks.softcap > 0 or masks.alibi is not None
     o = torch.empty(b, hq, n_q, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=q.device)
     outs, lses = [], []
@@ -99,13 +110,19 @@ def blockwise_attention(
         m_i = torch.full((b, hq, rows, 1), float("-inf"), dtype=acc, device=q.device)
         l_i = torch.zeros((b, hq, rows, 1), dtype=acc, device=q.device)
         o_i = torch.zeros((b, hq, rows, v.shape[-1]), dtype=acc, device=q.device)
-        for c0 in range(0, n_k, block_k):
-            if causal and c0 > r0 + rows - 1 + (n_k - n_q):
-                break  # every later key block is in every row's future
+        # the keys some row of the block sees: [c_lo, c_hi)
+        c_lo = max(0, r0 + off - masks.left) if masks.left >= 0 else 0
+        c_hi = n_k
+        if causal or masks.right >= 0:
+            c_hi = min(n_k, r0 + rows - 1 + off + (0 if causal else masks.right) + 1)
+        for c0 in range(c_lo // block_k * block_k, max(c_hi, 0), block_k):
             kj = _expand_kv(k[:, :, c0 : c0 + block_k], group).to(acc)
             vj = _expand_kv(v[:, :, c0 : c0 + block_k], group).to(acc)
             s = torch.matmul(qi, kj.transpose(-1, -2))  # S_ij (B, Hq, bq, bk)
-            mask = _mask(rows, kj.shape[2], r0, c0, n_q, n_k, causal, kv_lengths, q.device)
+            if modify:
+                s = modify_scores(s, torch.arange(r0, r0 + rows, device=q.device),
+                                  torch.arange(c0, c0 + kj.shape[2], device=q.device), n_q, n_k, masks)
+            mask = _mask(rows, kj.shape[2], r0, c0, n_q, n_k, causal, kv_lengths, q.device, masks)
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))
             # online softmax, the seed's steps: m_new, alpha, p, l_new, O update
@@ -194,12 +211,16 @@ def cpu_attention(
     causal: bool,
     scale: float,
     kv_lengths: torch.Tensor | None = None,
+    masks: Masks = NO_MASKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU "auto" path: torch's CPU flash kernel (faster than ``blockwise_attention``; see
     docs/kernels.md#the-cpu-path-referencecpu_attention), made to keep the contract —
     bottom-right causal, kv_lengths (one
     call per batch row with its keys cut to length), rows with no key -> (0, -inf). Falls back to
-    ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd)."""
+    ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd, and
+    the score modifiers: torch's kernel takes no window, cap or bias short of an Nq x Nk mask)."""
+    if masks.active:
+        return _blockwise_each(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, masks=masks)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
@@ -218,3 +239,20 @@ def cpu_attention(
     if out is None:
         return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
     return out
+
+
+def _blockwise_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                    kv_lengths: torch.Tensor | None, masks: Masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blockwise_attention`` one batch element at a time, each from fresh copies: the CPU's
+    matmuls round by the operand's address, so an element's bits must not depend on where it sits
+    in the batch (an element alone starts at offset 0)."""
+    outs = []
+    for b in range(q.shape[0]):
+        sl = slice(b, b + 1)
+        q_b, k_b, v_b = (t[sl].clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+        outs.append(blockwise_attention(q_b, k_b, v_b, causal=causal, scale=scale,
+                                        kv_lengths=None if kv_lengths is None else kv_lengths[sl],
+                                        masks=masks.sliced(b, b + 1)))
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([o for o, _ in outs], dim=0), torch.cat([lse for _, lse in outs], dim=0)

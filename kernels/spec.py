@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import DeviceMismatchError, DTypeError, HeadDimError, KVLengthsError, ShapeError
+from .masks import NO_MASKS, Masks, check_masks, dense_masks
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -28,6 +29,7 @@ class AttnSpec:
     causal: bool
     scale: float
     has_kv_lengths: bool
+    masks: Masks = NO_MASKS     # window, softcap, ALiBi (``kernels/masks.py``)
 
     @property
     def group(self) -> int:
@@ -44,8 +46,12 @@ def check_inputs(
     scale: float | None = None,
     kv_lengths: torch.Tensor | None = None,
     allow_float64: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> AttnSpec:
-    """Validate q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) and kv_lengths (B,) int32/int64.
+    """Validate q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), kv_lengths (B,) int32/int64 and the score
+    modifiers (``masks.check_masks``; a window side no row's keys reach is dropped).
 
     Raises a subclass of ``AttentionInputError`` whose message names the offending argument.
     """
@@ -97,6 +103,8 @@ def check_inputs(
             lo, hi = int(kv_lengths.min()), int(kv_lengths.max())
             if lo < 0 or hi > nk:
                 raise KVLengthsError(f"kv_lengths must lie in [0, {nk}] (Nk), got values in [{lo}, {hi}]")
+    masks = dense_masks(check_masks(window_size, softcap, alibi_slopes, rows=b, heads_q=hq, device=q.device,
+                                    causal=bool(causal)), nq, nk)
     return AttnSpec(
         batch=b,
         heads_q=hq,
@@ -109,4 +117,5 @@ def check_inputs(
         causal=bool(causal),
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
         has_kv_lengths=kv_lengths is not None,
+        masks=masks,
     )

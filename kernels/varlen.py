@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .masks import check_masks
 from .ragged import choose_ragged, flash_ragged, on_device, reference_ragged
 from .ragged_checks import SeqLensError, check_cu, check_heads, check_index, check_scale, check_tensor3, host_ints
 
@@ -23,6 +24,9 @@ def attention_varlen(
     scale: float | None = None,
     return_lse: bool = False,
     kernel: str = "auto",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of each of S packed sequences alone.
 
@@ -36,6 +40,8 @@ def attention_varlen(
     alone (``kernels/ragged.py``). The lengths are read on the host: one small device-to-host copy.
     kernel: "auto", "flash" (Triton; CUDA or TRITON_INTERPRET=1) or "reference" (one PyTorch call
     per sequence). No gradients.
+    window_size, softcap, alibi_slopes: as ``kernels.attention``'s (docs/kernels.md#score-modifiers),
+    with each sequence's own n_q and n_k aligning its rows; alibi_slopes float32 (Hq,) or (S, Hq).
     """
     q, k, v = check_tensor3("q", q), check_tensor3("k", k), check_tensor3("v", v)
     _, _, d = check_heads(q, k, v)
@@ -45,6 +51,8 @@ def attention_varlen(
     if cu_q.shape != cu_k.shape:
         raise SeqLensError(f"cu_seqlens_q and cu_seqlens_k must both have S + 1 entries, got "
                            f"{cu_q.shape[0]} and {cu_k.shape[0]}")
+    masks = check_masks(window_size, softcap, alibi_slopes, rows=cu_q.shape[0] - 1, heads_q=q.shape[1],
+                        device=q.device, causal=bool(causal), rows_name="S")
     impl = choose_ragged("varlen", q.device, q.dtype, kernel)
     cq, ck = host_ints(cu_q, cu_k)
     q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
@@ -52,9 +60,10 @@ def attention_varlen(
     with torch.no_grad():
         if impl == "flash":
             with on_device(q.device):
-                o, lse = flash_ragged(q, k, v, q_lens, k_lens, causal=bool(causal), scale=scale, k_starts=ck[:-1])
+                o, lse = flash_ragged(q, k, v, q_lens, k_lens, causal=bool(causal), scale=scale, k_starts=ck[:-1],
+                                      masks=masks)
         else:
             o, lse = reference_ragged(q, q_lens, lambda s: (k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]),
-                                      causal=bool(causal), scale=scale)
+                                      causal=bool(causal), scale=scale, masks=masks)
     return (o, lse) if return_lse else o
 

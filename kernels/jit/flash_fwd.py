@@ -37,9 +37,11 @@ def _fwd_inner(
     kv_len,                      # keys >= kv_len are padding (masked)
     i_rows, causal_off,          # query index of each row; Nk - Nq (bottom-right causal)
     qk_scale,                    # scale · log2(e)
+    win_left, win_right, slopes, cap,   # window, ALiBi slopes, soft cap (``online_softmax_block``)
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,        # False: every key of every block in [start, end) is visible
-    IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -48,7 +50,8 @@ def _fwd_inner(
         kt_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd  # K_jᵀ (BLOCK_D, BLOCK_N)
         v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd   # V_j (BLOCK_N, BLOCK_D)
         acc, l_i, m_i = online_softmax_block(acc, l_i, m_i, q, kt_ptrs, v_ptrs, cols, kv_len, i_rows, causal_off,
-                                             qk_scale, D, BLOCK_D, MASKED, IS_CAUSAL, DOT_PREC)
+                                             qk_scale, win_left, win_right, slopes, cap, D, BLOCK_D, MASKED,
+                                             IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -58,15 +61,19 @@ def attn_fwd(
     O,                           # out: o (B, Hq, Nq, D), or per-split partials (S, B, Hq, Nq, D) fp32
     LSE,                         # out: lse (B, Hq, Nq) fp32 natural log, or per-split (S, B, Hq, Nq)
     KV_LEN,                      # int32 (B,) key lengths; unused unless HAS_KV_LEN
+    ALIBI,                       # fp32 ALiBi slopes (B, Hq) (stride_ab 0: one set for all); unused unless HAS_ALIBI
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ab, stride_ah,
     stride_os, stride_ob, stride_oh, stride_on, stride_od,   # stride_os: between splits (0: one split)
     stride_ls, stride_lb, stride_lh, stride_ln,
     H_Q,                         # query heads
     GROUP,                       # query heads per kv head (Hq / Hkv): q head h reads kv head h // GROUP
     N_Q, N_K,                    # query and key lengths
     qk_scale,                    # scale · log2(e)
+    win_left, win_right,         # window sides in keys (1 << 30: unbounded); unused unless WINDOW
+    cap,                         # softcap · log2(e); unused unless SOFTCAP
     KEYS_PER_SPLIT,              # keys handled by one program along grid axis 2 (split-KV)
     N_Q_BUCKET, N_K_BUCKET,      # autotuning key only (log2 buckets of N_Q, N_K)
     D: tl.constexpr,             # head dim
@@ -75,6 +82,9 @@ def attn_fwd(
     BLOCK_N: tl.constexpr,       # keys per inner step
     IS_CAUSAL: tl.constexpr,
     HAS_KV_LEN: tl.constexpr,
+    WINDOW: tl.constexpr,        # a sliding window bounds the keys of each row
+    SOFTCAP: tl.constexpr,       # scores capped: softcap · tanh(S / softcap)
+    HAS_ALIBI: tl.constexpr,     # scores biased by -slope · |i + Nk - Nq - j|
     PACK: tl.constexpr,          # 1, or GROUP: the rows of one program are the GROUP query heads of
                                  # one kv head × N_Q queries (decode: K/V read once per kv head)
     DOT_PREC: tl.constexpr,      # "ieee" for float32 inputs (exact), "tf32" (ignored) for 16-bit
@@ -118,7 +128,8 @@ def attn_fwd(
     else:
         kv_len = N_K
     causal_off = N_K - N_Q
-    hi, full_end = key_range(kv_len, causal_off, i_lo, i_hi, BLOCK_N, IS_CAUSAL)
+    lo, full_lo, full_end, hi = key_range(kv_len, causal_off, i_lo, i_hi, win_left, win_right, BLOCK_N,
+                                          IS_CAUSAL, WINDOW)
     k0 = pid_s * KEYS_PER_SPLIT
     k1 = k0 + KEYS_PER_SPLIT
 
@@ -129,19 +140,33 @@ def attn_fwd(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
+    if HAS_ALIBI:                            # each row's head's slope, in log2 units
+        slopes = tl.load(ALIBI + b * stride_ab + head * stride_ah, mask=row_ok, other=0.0) * LOG2E
+    else:
+        slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if WINDOW:
+        # the window's left edge: masked
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            tl.maximum(k0, lo), tl.minimum(k1, full_lo), kv_len, i_rows, causal_off, qk_scale,
+            win_left, win_right, slopes, cap,
+            D, BLOCK_N, BLOCK_D, True, IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
     # blocks every row sees whole: no mask
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        k0, tl.minimum(k1, full_end), kv_len, i_rows, causal_off, qk_scale,
-        D, BLOCK_N, BLOCK_D, False, IS_CAUSAL, DOT_PREC)
-    # the diagonal / padding / ragged-end blocks: masked
+        tl.maximum(k0, full_lo), tl.minimum(k1, full_end), kv_len, i_rows, causal_off, qk_scale,
+        win_left, win_right, slopes, cap,
+        D, BLOCK_N, BLOCK_D, False, IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
+    # the diagonal / the window's right edge / padding / ragged-end blocks: masked
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         tl.maximum(k0, full_end), tl.minimum(k1, hi), kv_len, i_rows, causal_off, qk_scale,
-        D, BLOCK_N, BLOCK_D, True, IS_CAUSAL, DOT_PREC)
+        win_left, win_right, slopes, cap,
+        D, BLOCK_N, BLOCK_D, True, IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
 
     # ---- epilogue: O = O / l, lse = (m + log2 l)·ln2; rows with no key -> 0, -inf ----
     seen = l_i != 0.0
@@ -337,7 +362,7 @@ def _prune_split(configs, nargs, **kw):
     return _SPLIT_16BIT if kw["BLOCK_D"] <= 128 else _SPLIT_D256
 
 
-_KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "PACK", "N_Q_BUCKET", "N_K_BUCKET"]
+_KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "WINDOW", "SOFTCAP", "HAS_ALIBI", "PACK", "N_Q_BUCKET", "N_K_BUCKET"]
 _ALL_PREFILL = [c for cs in _PREFILL.values() for c in cs] + _PREFILL_FP32  # _SHORT_64 is among them
 
 

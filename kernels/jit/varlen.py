@@ -37,11 +37,13 @@ def _attend(
     n_k,                         # the sequence's keys; keys >= n_k are never read
     i_rows, causal_off,          # query index of each row in its sequence; n_k - n_q
     qk_scale,                    # scale · log2(e)
+    win_left, win_right, slopes, cap,   # window, ALiBi slopes, soft cap (``online_softmax_block``)
     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr,   # paged addressing and its page_tokens
     PAGE_BLOCK: tl.constexpr,    # PAGED with PAGE % BLOCK_N == 0: one table entry a key block
     MASKED: tl.constexpr,        # False: every key of every block in [start, end) is visible
-    IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -68,7 +70,8 @@ def _attend(
         kt_ptrs = k_head + k_rows[None, :] + offs_d[:, None] * stride_kd   # K_jᵀ (BLOCK_D, BLOCK_N)
         v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd    # V_j (BLOCK_N, BLOCK_D)
         acc, l_i, m_i = online_softmax_block(acc, l_i, m_i, q, kt_ptrs, v_ptrs, cols, n_k, i_rows, causal_off,
-                                             qk_scale, D, BLOCK_D, MASKED, IS_CAUSAL, DOT_PREC)
+                                             qk_scale, win_left, win_right, slopes, cap, D, BLOCK_D, MASKED,
+                                             IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -83,7 +86,9 @@ def ragged_fwd(
     WORK,                        # int32 (n_work, WORK_FIELDS): this launch's work items, one per grid row
     SEQ,                         # int32 (S, SEQ_FIELDS): each sequence's offsets and lengths
     BT,                          # int32 block table (S, max_pages); unused unless PAGED
+    ALIBI,                       # fp32 ALiBi slopes (S, Hq) (stride_as 0: one set for all); unused unless HAS_ALIBI
     stride_btr, stride_btc,
+    stride_as, stride_ah,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_kt, stride_kh, stride_kd,   # stride_kp: between pages (0 for varlen)
     stride_vp, stride_vt, stride_vh, stride_vd,
@@ -92,6 +97,8 @@ def ragged_fwd(
     H_Q,                         # query heads
     GROUP,                       # query heads per kv head: q head h reads kv head h // GROUP
     qk_scale,                    # scale · log2(e)
+    win_left, win_right,         # window sides in keys (1 << 30: unbounded); unused unless WINDOW
+    cap,                         # softcap · log2(e); unused unless SOFTCAP
     D: tl.constexpr,             # head dim
     BLOCK_D: tl.constexpr,       # D padded to a power of two (>= 16); columns >= D are masked
     BLOCK_M: tl.constexpr,       # rows per program
@@ -103,6 +110,9 @@ def ragged_fwd(
     PAGE_BLOCK: tl.constexpr,    # PAGED and PAGE % BLOCK_N == 0: a key block lies in one page (one
                                  # table entry a block, rows at one stride); else a lookup per key
     IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,        # a sliding window bounds the keys of each row
+    SOFTCAP: tl.constexpr,       # scores capped: softcap · tanh(S / softcap)
+    HAS_ALIBI: tl.constexpr,     # scores biased by -slope · |i + n_k - n_q - j|
     DOT_PREC: tl.constexpr,      # "ieee" for float32 inputs, "tf32" (ignored) for 16-bit
 ):
     w = tl.program_id(0).to(tl.int64)
@@ -136,7 +146,8 @@ def ragged_fwd(
 
     # the key range: [0, full_end) needs no mask, [full_end, hi) is masked
     causal_off = n_k - n_q
-    hi, full_end = key_range(n_k, causal_off, i_lo, i_hi, BLOCK_N, IS_CAUSAL)
+    lo, full_lo, full_end, hi = key_range(n_k, causal_off, i_lo, i_hi, win_left, win_right, BLOCK_N,
+                                          IS_CAUSAL, WINDOW)
 
     tok = (q0 + i_rows).to(tl.int64)
     q_ptrs = Q + tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
@@ -145,19 +156,33 @@ def ragged_fwd(
     v_head = V + kvh.to(tl.int64) * stride_vh
     bt_row = BT + seq.to(tl.int64) * stride_btr
 
+    if HAS_ALIBI:                            # each row's head's slope, in log2 units
+        slopes = tl.load(ALIBI + seq * stride_as + head * stride_ah, mask=row_ok, other=0.0) * LOG2E
+    else:
+        slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if WINDOW:  # the window's left edge: masked
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, k_head, v_head, bt_row, stride_btc, k_tok0,
+            stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
+            tl.maximum(k0, lo), tl.minimum(k1, full_lo), n_k, i_rows, causal_off, qk_scale,
+            win_left, win_right, slopes, cap,
+            D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, True, IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, k_head, v_head, bt_row, stride_btc, k_tok0,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
-        k0, tl.minimum(k1, full_end), n_k, i_rows, causal_off, qk_scale,
-        D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, False, IS_CAUSAL, DOT_PREC)
+        tl.maximum(k0, full_lo), tl.minimum(k1, full_end), n_k, i_rows, causal_off, qk_scale,
+        win_left, win_right, slopes, cap,
+        D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, False, IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, k_head, v_head, bt_row, stride_btc, k_tok0,
         stride_kp, stride_kt, stride_kd, stride_vp, stride_vt, stride_vd,
         tl.maximum(k0, full_end), tl.minimum(k1, hi), n_k, i_rows, causal_off, qk_scale,
-        D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, True, IS_CAUSAL, DOT_PREC)
+        win_left, win_right, slopes, cap,
+        D, BLOCK_N, BLOCK_D, PAGED, PAGE, PAGE_BLOCK, True, IS_CAUSAL, WINDOW, SOFTCAP, HAS_ALIBI, DOT_PREC)
 
     # epilogue: O = O / l, lse = (m + log2 l)·ln2; rows with no key -> 0, -inf
     seen = l_i != 0.0
