@@ -94,6 +94,7 @@ def attention_paged(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    host_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of S sequences' newest query rows over their keys in a paged cache.
 
@@ -108,6 +109,10 @@ def attention_paged(
     (heads_q, total_q); rows that see no key give o = 0 and lse = -inf. Each sequence's answer is
     bit for bit its answer alone. cu_seqlens_q and cache_lens are read on the host (one small copy,
     which also says whether a page index the call reads names no page: checked on every device).
+    host_index: (cu_seqlens_q, cache_lens, block_table) as CPU tensors holding the same values as
+    the ones on q's device, for a caller that keeps them on the host anyway (a KV cache's table):
+    the call then checks and plans from these and reads nothing back from the device (no device
+    sync; the plan, a function of each sequence's own lengths, is the same).
     kernel: "auto", "flash", "reference". No gradients.
     window_size, softcap, alibi_slopes: as ``kernels.attention``'s (docs/kernels.md#score-modifiers),
     row i of sequence s at position i + cache_lens[s] - n_s; alibi_slopes float32 (Hq,) or (S, Hq).
@@ -122,15 +127,20 @@ def attention_paged(
                         device=q.device, causal=bool(causal), rows_name="S")
     impl = choose_ragged("paged", q.device, q.dtype, kernel)
     page = k_pages.shape[1]
-    bad = _bad_entries(bt, cl, page, k_pages.shape[0])  # on a GPU: rides on the lengths' one copy
-    cq, lens, flag = host_ints(cu_q, cl, bad.any().to(torch.int32).reshape(1))
-    any_bad = bool(flag[0])
+    if host_index is None:
+        bad = _bad_entries(bt, cl, page, k_pages.shape[0])  # on a GPU: rides on the lengths' one copy
+        cq, lens, flag = host_ints(cu_q, cl, bad.any().to(torch.int32).reshape(1))
+        any_bad, checked = bool(flag[0]), bt
+    else:
+        h_cu, h_cl, checked = _check_host_index(host_index, cu_q, cl, bt)
+        bad = _bad_entries(checked, h_cl, page, k_pages.shape[0])
+        (cq, lens), any_bad = host_ints(h_cu, h_cl), bool(bad.any())
     q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
     few = next((s for s, (n, nq) in enumerate(zip(lens, q_lens, strict=True)) if n < nq), None)
     if few is not None:
         raise SeqLensError(f"cache_lens[{few}] = {lens[few]} is less than the sequence's {q_lens[few]} query rows "
                            "(cache_lens counts every key, the query rows' own included)")
-    _check_coverage(lens, bt, page, k_pages.shape[0], "", bad, any_bad)
+    _check_coverage(lens, checked, page, k_pages.shape[0], "", bad, any_bad)
     with torch.no_grad():
         if impl == "flash":
             with on_device(q.device):
@@ -142,6 +152,20 @@ def attention_paged(
 
             o, lse = reference_ragged(q, q_lens, keys, causal=bool(causal), scale=scale, masks=masks)
     return (o, lse) if return_lse else o
+
+
+def _check_host_index(host_index: object, cu_q: torch.Tensor, cl: torch.Tensor,
+                      bt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``attention_paged``'s host_index: int32 CPU tensors of the device ones' shapes."""
+    if not isinstance(host_index, (tuple, list)) or len(host_index) != 3:
+        raise SeqLensError("host_index must be (cu_seqlens_q, cache_lens, block_table), CPU tensors")
+    names = ("cu_seqlens_q", "cache_lens", "block_table")
+    for t, like, name in zip(host_index, (cu_q, cl, bt), names, strict=True):
+        error = BlockTableError if name == "block_table" else SeqLensError
+        check_index(f"host_index's {name}", t, like.dim(), torch.device("cpu"), error, str(list(like.shape)))
+        if t.shape != like.shape:
+            raise error(f"host_index's {name} has shape {list(t.shape)}, the device one {list(like.shape)}")
+    return tuple(host_index)
 
 
 def gather_pages(pages: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:

@@ -186,7 +186,9 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
     merge = np.stack([q0[m_s] + m_i, base[m_s] + m_i, nq[m_s], splits[m_s]], axis=1).astype(np.int32).reshape(-1, 4)
     seq_rows = np.stack([q0, nq, ks, nk], axis=1).astype(np.int32).reshape(-1, 4)
     parts = [seq_rows, dec, pre, merge]
-    buf = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(device)
+    buf = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32))
+    if device.type == "cuda":  # from pinned memory, in stream order: a pageable copy would wait for the device
+        buf = buf.pin_memory().to(device, non_blocking=True)
     views, at = [], 0
     for p in parts:
         views.append(buf[at:at + p.size].view(p.shape))
@@ -196,9 +198,12 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
 
 @functools.lru_cache(maxsize=256)
 def cached_plan(q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_starts: tuple[int, ...] | None, hq: int, hkv: int,
-                d: int, dtype: torch.dtype, device: torch.device, causal: bool, interpret: bool) -> Plan:
+                d: int, dtype: torch.dtype, device: torch.device, causal: bool, interpret: bool,
+                stream: int | None = None) -> Plan:
     """``build_plan``, kept for lengths seen before (a repeated batch skips the host work and the
-    host-to-device copy; the device buffers are only ever read)."""
+    host-to-device copy; the device buffers are only ever read). Kept per CUDA ``stream`` (its id):
+    the plan's copy is ordered on the stream it was built on, so only launches on that stream may
+    read it without waiting."""
     return build_plan(q_lens, k_lens, k_starts, hq, hkv, d, dtype, device, causal, interpret)
 
 
@@ -237,8 +242,9 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
     lse = torch.empty(hq, t_q, dtype=torch.float32, device=dev)
     if t_q == 0:
         return o, lse
+    stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else None
     plan = cached_plan(tuple(q_lens), tuple(k_lens), None if k_starts is None else tuple(k_starts), hq, hkv, d,
-                       q.dtype, dev, bool(causal), interpret)
+                       q.dtype, dev, bool(causal), interpret, stream)
     part_rows = max(plan.part_rows, 1)
     o_part = torch.empty(part_rows, hq, d, dtype=torch.float32, device=dev) if plan.part_rows else \
         _placeholder(dev, torch.float32)

@@ -230,8 +230,9 @@ class Worker:
     def run_on_device(self, fn: Callable[[Any], tuple[Any, Any]]) -> asyncio.Future:
         """Run ``fn(launch_lock)`` on this worker's launcher thread, in order with its batches, under
         ``torch.no_grad`` and on its compute stream; ``fn`` returns (value, a CUDA event or None).
-        The future (on the running loop) gives ``value`` once the event is complete (waited for on
-        the finisher thread), or what ``fn`` raised. The session steps' launches use it
+        The future (on the running loop) gives (``value``, the ``time.perf_counter()`` instant the
+        event was found complete) once it is (waited for on the finisher thread), or what ``fn``
+        raised. The session steps' launches use it
         (``service.sessions``), and so do their KV cache's page bookkeeping and releases."""
         loop = asyncio.get_running_loop()
         answered: asyncio.Future = loop.create_future()
@@ -247,7 +248,7 @@ class Worker:
             try:
                 if done is not None:
                     done.synchronize()
-                answer = (value, None)
+                answer = ((value, time.perf_counter()), None)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 answer = (None, exc)
             loop.call_soon_threadsafe(settle, *answer)

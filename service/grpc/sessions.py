@@ -23,7 +23,7 @@ from service.errors import BadRequest
 from service.grpc import codec, forward
 from service.grpc.codec import declared_bytes, offload, result_bytes
 from service.sessions import SessionResult, SessionStep
-from service.wire.tensors import DTYPE_NAMES
+from service.wire.tensors import DTYPE_NAMES, ServerTiming
 
 pb = codec.pb
 SERVICE = "/attention.v1.AttentionService/"
@@ -92,11 +92,16 @@ class SessionServicer:
         raise NotImplementedError
 
     async def _session_step(self, request, deadline: float | None, request_id: str | None = None,
-                            inline: bool = False):
+                            inline: bool = False, timing: ServerTiming | None = None):
+        timing = ServerTiming() if timing is None else timing
         nbytes = 0 if inline else declared_bytes(request)
         step = await offload(nbytes, session_step, request, deadline=deadline, request_id=request_id)
+        timing.mark("decode")
         res = await self.engine.sessions.step(step)
-        return await offload(result_bytes(res.o, res.lse), step_response, res)
+        timing.engine(res.stamps)
+        out = await offload(result_bytes(res.o, res.lse), step_response, res)
+        timing.mark("encode")
+        return out
 
     async def _forward(self, target: int, method: str, request, context, response_type):
         return await forward.forward_grpc(self.engine.settings, target, SERVICE + method, request, context,
@@ -112,7 +117,10 @@ class SessionServicer:
         target = forward.grpc_owner(self.engine.settings, list(request.sessions), context)
         if target is not None:
             return await self._forward(target, "SessionAttend", request, context, pb.AttendResponse)
-        return await self._session_step(request, codec.deadline_of(context))
+        timing = ServerTiming()
+        response = await self._session_step(request, codec.deadline_of(context), timing=timing)
+        context.set_trailing_metadata((("server-timing", timing.value()),))
+        return response
 
     async def SessionAttendStream(self, request_iterator, context):
         deadline = codec.deadline_of(context)

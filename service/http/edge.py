@@ -38,6 +38,18 @@ class HttpMetrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        # label children looked up once per (route, method, status): ``labels()`` costs more than
+        # the observation itself
+        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        """Count one answered request and its duration."""
+        children = self._children.get((route, method, status))
+        if children is None:
+            children = self._children[route, method, status] = (
+                self.requests.labels(route, method, str(status)), self.duration.labels(route))
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class EdgeMiddleware:
@@ -87,5 +99,4 @@ class EdgeMiddleware:
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(label, scope["method"], str(status)).inc()
-            self.metrics.duration.labels(label).observe(time.perf_counter() - start)
+            self.metrics.observe(label, scope["method"], status, time.perf_counter() - start)

@@ -29,6 +29,7 @@ from service.http import body as http_body
 from service.http import codec
 from service.http.disconnect import unless_gone
 from service.http.json_tensors import json_tensor
+from service.http.routes import DirectRoute
 from service.sessions import SessionStep
 from service.settings import Settings
 from service.wire.options import parse_bool, parse_options
@@ -38,6 +39,7 @@ STEP_TENSORS = ("q", "k", "v")
 STEP_OPTIONS = ("layer", "causal", "scale", "layout", "return_lse", "end")
 PACKED_OPTIONS = (*STEP_OPTIONS, "sessions")
 CREATE_FIELDS = ("session", "layers", "num_kv_heads", "head_dim", "dtype")
+SESSION_PARAMETER = {"name": "session", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def _parse_layer(value: Any) -> int:
@@ -144,6 +146,7 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         step, encoding = await http_body.offload(big, lambda: decode(*args, body, mtype, request.query_params, **ids))
         timing.mark("decode")
         result = await unless_gone(request, engine.sessions.step(step))  # a step nobody reads is not launched
+        timing.engine(result.stamps)
         tensors = {"o": result.o} if result.lse is None else {"o": result.o, "lse": result.lse}
         content, media = await codec.encode_answer(tensors, encoding, big)
         timing.mark("encode")
@@ -176,15 +179,19 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     async def list_sessions() -> Response:
         return _json(engine.sessions.list())
 
-    @router.post("/sessions/attend", summary="a packed step: many sessions' new tokens in one call",
-                 response_class=Response)
     async def attend_packed(request: Request) -> Response:
         return await answer(request, decode_packed)
 
-    @router.post("/sessions/{session}/attend", summary="a step: append k, v, then attend q over the session's keys",
-                 response_class=Response)
-    async def attend(session: str, request: Request) -> Response:
-        return await answer(request, decode_step, session)
+    async def attend(request: Request) -> Response:
+        return await answer(request, decode_step, request.path_params["session"])
+
+    # the steps are the hot path: DirectRoutes, their path parameter documented by hand
+    router.add_api_route("/sessions/attend", attend_packed, methods=["POST"], response_class=Response,
+                         summary="a packed step: many sessions' new tokens in one call",
+                         route_class_override=DirectRoute)
+    router.add_api_route("/sessions/{session}/attend", attend, methods=["POST"], response_class=Response,
+                         summary="a step: append k, v, then attend q over the session's keys",
+                         openapi_extra={"parameters": [SESSION_PARAMETER]}, route_class_override=DirectRoute)
 
     @router.get("/sessions/{session}", summary="a session's description")
     async def get_session(session: str) -> Response:

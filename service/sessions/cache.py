@@ -30,6 +30,7 @@ counters (``used_bytes``, ``kv.length``) for descriptions and metrics.
 from __future__ import annotations
 
 import heapq
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -54,10 +55,11 @@ class Geometry:
 
 @dataclass(eq=False, slots=True)
 class SequenceKV:
-    """One layer of one session: its length C and the pages holding its keys 0..C-1, in order."""
+    """One layer of one session: its length C and the pages holding its keys 0..C-1, in order (int32,
+    the block table's type: a launch copies the row as it is)."""
 
     length: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: array = field(default_factory=lambda: array("i"))
 
 
 @dataclass(eq=False)
@@ -221,7 +223,7 @@ class KVCache:
                 v[dst] = arena.v[src]
                 remap = dict(zip(moved, slots, strict=True))
                 for kv in arena.seqs:
-                    kv.pages = [remap.get(p, p) for p in kv.pages]
+                    kv.pages = array("i", [remap.get(p, p) for p in kv.pages])
             new_free = [p for p in free if p < size and p not in set(slots)]
         else:
             new_free = free + list(range(arena.size, size))

@@ -136,6 +136,7 @@ class SessionManager:
         self.schedulers: list[StepScheduler] = []
         self._accepting, self._held_elsewhere = accepting, held_elsewhere
         self.held = 0  # steps accepted and not answered
+        self._success = metrics.success.labels("session")  # looked up once: ``labels()`` costs more than inc()
         self._expiry: asyncio.Task | None = None
 
     # ---- life -------------------------------------------------------------------------------
@@ -330,7 +331,7 @@ class SessionManager:
                     seq.session.active -= 1
                     seq.session.last_used = now
             self.held -= 1
-        self.metrics.success.labels("session").inc()
+        self._success.inc()
         if step.end:
             for sid in step.sessions:
                 with contextlib.suppress(NotFound):  # deleted meanwhile
@@ -340,17 +341,18 @@ class SessionManager:
     def _assemble(self, step: SessionStep, works: list[Work], outcomes: list) -> SessionResult:
         lengths_of = {seq.session.id: seq.kv.length for w in works for seq in w.seqs}
         lengths = [lengths_of[sid] for sid in step.sessions]
+        stamps = max((o[2] for o in outcomes), key=lambda st: st[3])  # the part that finished last
         if len(works) == 1 and [s.session.id for s in works[0].seqs] == list(step.sessions):
-            o, lse = outcomes[0]
+            o, lse, _ = outcomes[0]
         else:  # parts from several workers: each session's rows back in their place
             t = step.q.shape[0]
             o = torch.empty(t, step.heads_q, step.head_dim, dtype=step.q.dtype)
             lse = torch.empty(step.heads_q, t, dtype=torch.float32)
-            for w, (o_w, lse_w) in zip(works, outcomes, strict=True):
+            for w, (o_w, lse_w, _) in zip(works, outcomes, strict=True):
                 at = 0
                 for seq in w.seqs:
                     a, b = seq.rows
                     o[a:b], lse[:, a:b] = o_w[at : at + b - a], lse_w[:, at : at + b - a]
                     at += b - a
-        return step.result(o, lse, lengths)
+        return step.result(o, lse, lengths, stamps)
 

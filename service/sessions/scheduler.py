@@ -90,6 +90,8 @@ class _Launched:
     works: list[Work]
     o: torch.Tensor  # host (ΣT, Hq, D)
     lse: torch.Tensor  # host (Hq, ΣT)
+    staged: float = 0.0  # time.perf_counter() once q, k, v and the indices were staged
+    enqueued: float = 0.0  # ... once the append, the attention and the copies back were enqueued
 
 
 def launch_steps(cache: KVCache, works: list[Work], lock: Any) -> tuple[tuple[list[_Launched], dict], Any]:
@@ -170,46 +172,53 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
     device, cuda = cache.device, cache.device.type == "cuda"
     first = works[0].step
     arena = cache.arena(works[0].geometry)
-    seqs = [(w, s, c) for w in works for s, c in zip(w.seqs, w.before, strict=True)]
     q_parts, k_parts, v_parts = [], [], []
     cu_q, cu_new, before, after, tables = [0], [0], [], [], []
-    for w, s, c in seqs:
-        a, b = s.rows
-        q_parts.append(w.step.q[a:b])  # (n, Hq, D)
-        if w.step.k is not None:
-            k_parts.append(w.step.k[a:b])
-            v_parts.append(w.step.v[a:b])
-        cu_q.append(cu_q[-1] + b - a)
-        cu_new.append(cu_new[-1] + (b - a if w.step.k is not None else 0))
-        before.append(c)
-        after.append(s.kv.length)
-        tables.append(s.kv.pages)
+    for w in works:
+        new = w.step.k is not None
+        for s, c in zip(w.seqs, w.before, strict=True):
+            n = s.rows[1] - s.rows[0]
+            cu_q.append(cu_q[-1] + n)
+            cu_new.append(cu_new[-1] + (n if new else 0))
+            before.append(c)
+            after.append(s.kv.length)
+            tables.append(s.kv.pages)
+        for a, b in _runs([s.rows for s in w.seqs]):  # a work's rows are one run of the step's, mostly
+            q_parts.append(w.step.q[a:b])  # (n, Hq, D)
+            if new:
+                k_parts.append(w.step.k[a:b])
+                v_parts.append(w.step.v[a:b])
+    n_seq = len(tables)
     width = max(1, max(len(t) for t in tables))
-    n_seq = len(seqs)
-    # one int32 host tensor for every index: cu_q (S+1), cu_new (S+1), before (S), after (S), table (S, width)
-    index = torch.zeros(2 * (n_seq + 1) + 2 * n_seq + n_seq * width, dtype=torch.int32, pin_memory=cuda)
+    # one int32 host tensor for every index: cu_q (S+1), cu_new (S+1), before (S), after (S), table (S, width);
+    # written through a numpy view (each table row is an int32 array: one copy, no conversion)
     flat = cu_q + cu_new + before + after
-    index[: len(flat)] = torch.tensor(flat, dtype=torch.int32)
-    table = index[len(flat):].view(n_seq, width)
+    host = torch.zeros(len(flat) + n_seq * width, dtype=torch.int32, pin_memory=cuda)
+    view = host.numpy()
+    view[: len(flat)] = flat
+    rows = view[len(flat):].reshape(n_seq, width)
     for i, t in enumerate(tables):
-        if t:
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        rows[i, : len(t)] = t
     q = _host_cat(q_parts, pin=cuda)  # (ΣT, Hq, D)
     k = _host_cat(k_parts, pin=cuda) if k_parts else None  # (ΣT_new, Hkv, D)
     v = _host_cat(v_parts, pin=cuda) if v_parts else None
+    index = host
     if cuda:
-        index, q = index.to(device, non_blocking=True), q.to(device, non_blocking=True)
+        index, q = host.to(device, non_blocking=True), q.to(device, non_blocking=True)
         if k is not None:
             k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
     s1 = n_seq + 1
     d_cu_q, d_cu_new = index[:s1], index[s1 : 2 * s1]
     d_before, d_after = index[2 * s1 : 2 * s1 + n_seq], index[2 * s1 + n_seq : 2 * s1 + 2 * n_seq]
     d_table = index[2 * s1 + 2 * n_seq :].view(n_seq, width)
+    # the same indices on the host: the paged attention plans from them, reading nothing back from the device
+    known = (host[:s1], host[2 * s1 + n_seq : 2 * s1 + 2 * n_seq], host[2 * s1 + 2 * n_seq :].view(n_seq, width))
+    staged = time.perf_counter()
     with lock:
         if k is not None:
             kernels.append_paged(arena.k, arena.v, d_table, d_before, k, v, d_cu_new)
         o, lse = kernels.attention_paged(q, arena.k, arena.v, d_table, d_after, d_cu_q, causal=first.causal,
-                                         scale=first.scale, return_lse=True)
+                                         scale=first.scale, return_lse=True, host_index=known)
     done = None
     if cuda:
         o_host = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
@@ -219,8 +228,19 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
         done = torch.cuda.Event()
         done.record()
         o, lse = o_host, lse_host
-    parts.append(_Launched(works, o, lse))
+    parts.append(_Launched(works, o, lse, staged, time.perf_counter()))
     return done
+
+
+def _runs(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(first, end) row ranges, adjacent ones joined: [(0, 2), (2, 3), (5, 6)] -> [(0, 3), (5, 6)]."""
+    out: list[tuple[int, int]] = []
+    for a, b in rows:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def _host_cat(parts: list[torch.Tensor], pin: bool) -> torch.Tensor:
@@ -274,9 +294,10 @@ class StepScheduler:
         work.future.set_exception(exc)
         return True
 
-    def run(self, fn) -> asyncio.Future:
-        """Run ``fn(cache)`` on the worker's launcher thread, in order with the launches."""
-        return self.worker.run_on_device(lambda lock: (fn(self.cache), None))
+    async def run(self, fn) -> Any:
+        """Run ``fn(cache)`` on the worker's launcher thread, in order with the launches; its value."""
+        value, _ = await self.worker.run_on_device(lambda lock: (fn(self.cache), None))
+        return value
 
     def _drop(self, work: Work) -> None:
         with contextlib.suppress(ValueError):
@@ -336,13 +357,14 @@ class StepScheduler:
     def _launch(self, batch: list[Work]) -> None:
         self.inflight += 1
         self._batch_size.observe(len(batch))
+        handed = time.perf_counter()
         answers = self.worker.run_on_device(lambda lock: launch_steps(self.cache, batch, lock))
-        answers.add_done_callback(lambda f: self._finished(batch, f))
+        answers.add_done_callback(lambda f: self._finished(batch, f, handed))
 
-    def _finished(self, batch: list[Work], answers: asyncio.Future) -> None:
+    def _finished(self, batch: list[Work], answers: asyncio.Future, handed: float) -> None:
         self.inflight -= 1
         try:
-            parts, failed = answers.result()
+            (parts, failed), settled = answers.result()
         except Exception as exc:  # noqa: BLE001 - a device error after the launch: its works fail
             log.error("session launch on %s failed: %r", self.worker.name, exc, exc_info=exc)
             error = exc if isinstance(exc, ServiceError) else ServiceError("internal error while running the step")
@@ -351,10 +373,11 @@ class StepScheduler:
             if not w.future.done():
                 w.future.set_exception(exc)
         for part in parts:
+            stamps = (handed, part.staged, part.enqueued, settled)
             at = 0
             for w in part.works:
                 n = w.tokens
                 if not w.future.done():
-                    w.future.set_result((part.o[at : at + n], part.lse[:, at : at + n]))
+                    w.future.set_result((part.o[at : at + n], part.lse[:, at : at + n], stamps))
                 at += n
         self._soon()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.core.types import LAYOUTS, new_request_id
+from service.core.types import LAYOUTS, Stamps, new_request_id
 from service.errors import BadRequest, InvalidInput
 
 MAX_HEAD_DIM = 256
@@ -50,6 +50,7 @@ class SessionResult:
     lse: torch.Tensor | None = None
     request_id: str = ""
     lengths: list[int] = field(default_factory=list)  # each session's layer length after the step
+    stamps: Stamps | None = None  # the engine's phases (``service.core.types.Stamps``)
 
 
 @dataclass(eq=False)
@@ -167,13 +168,14 @@ class SessionStep:
             at += n
         return out
 
-    def result(self, o: torch.Tensor, lse: torch.Tensor, lengths: list[int]) -> SessionResult:
+    def result(self, o: torch.Tensor, lse: torch.Tensor, lengths: list[int],
+               stamps: Stamps | None = None) -> SessionResult:
         """o (T, Hq, D) and lse (Hq, T) -> the answer in the step's own shapes."""
         if self.layout is not None:
             o = o.unsqueeze(0) if self.layout == "bnhd" else o.transpose(0, 1).unsqueeze(0)  # (1,n,H,D) / (1,H,n,D)
             lse = lse.unsqueeze(0)  # (1, Hq, n)
         return SessionResult(o=o.contiguous(), lse=lse.contiguous() if self.return_lse else None,
-                             request_id=self.request_id, lengths=lengths)
+                             request_id=self.request_id, lengths=lengths, stamps=stamps)
 
 
 def _check_tensor(name: str, t: object) -> None:

@@ -271,6 +271,40 @@ def test_paged_bad_inputs(name):
         attention_paged(**_paged_args(**change))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", ["decode_page16", "page64_chunk", "page256_noncausal", "shared_prefix"])
+def test_paged_host_index_gives_the_device_paths_bits(name, kernel):
+    """The lengths and table given on the host as well (``host_index``, what a KV cache keeps) give
+    the bits of the call that reads them from the device, batched and each sequence alone."""
+    q_lens, causal = CASES[name][0], CASES[name][6]
+    q, kp, vp, table, cl, cu_q, _, _ = make_cache(CASES[name], torch.float32, seed=7)
+    o, lse = attention_paged(q, kp, vp, table, cl, cu_q, causal=causal, return_lse=True, kernel=kernel)
+    o2, lse2 = attention_paged(q, kp, vp, table, cl, cu_q, causal=causal, return_lse=True, kernel=kernel,
+                               host_index=(cu_q.cpu(), cl.cpu(), table.cpu()))
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    at = 0
+    for s, n in enumerate(q_lens):
+        one = (cu_of([n], "cpu"), cl[s:s + 1].cpu(), table[s:s + 1].cpu())
+        o1, l1 = attention_paged(q[at:at + n], kp, vp, table[s:s + 1], cl[s:s + 1], cu_of([n]), causal=causal,
+                                 return_lse=True, kernel=kernel, host_index=one)
+        assert torch.equal(o[at:at + n], o1) and torch.equal(lse[:, at:at + n], l1), f"sequence {s}"
+        at += n
+
+
+def test_paged_host_index_is_checked():
+    """host_index is checked as the device tensors are: its page indices, its lengths, its shapes."""
+    args = _paged_args()
+    cu_q, cl, table = args["cu_seqlens_q"].cpu(), args["cache_lens"].cpu(), args["block_table"].cpu()
+    with pytest.raises(BlockTableError, match="names no page"):
+        attention_paged(**args, host_index=(cu_q, cl, with_column(table, 0, 999)))
+    with pytest.raises(SeqLensError, match="less than"):
+        attention_paged(**args, host_index=(cu_q, idx([20, 1]).cpu(), table))
+    with pytest.raises(SeqLensError, match="shape"):
+        attention_paged(**args, host_index=(cu_q[:2], cl, table))
+    with pytest.raises(SeqLensError, match="host_index"):
+        attention_paged(**args, host_index=(cu_q, cl))
+
+
 APPEND_BAD = {
     "new_heads": (dict(k_new=lambda a: a["k_new"][:, :1], v_new=lambda a: a["v_new"][:, :1]), ShapeError, "match"),
     "new_dtype": (dict(k_new=lambda a: a["k_new"].half()), DTypeError, "dtype"),

@@ -5,6 +5,8 @@ table; the clients' session API and its context manager."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -114,6 +116,24 @@ def test_packed_steps_equal_single_steps_bitwise(client, http, transport):
     assert [c.get_session(s)["lengths"] for s in packed] == [[3 + 2 + 2], [1 + 1], [6 + 3]]
     for s in packed + single:
         c.delete_session(s)
+
+
+def test_session_attend_says_where_the_server_time_went(client):
+    """A unary SessionAttend carries the phases of Attend's trailing "server-timing" (decode, the
+    engine's queue, stage, launch, device and return, encode), adding up to less than the call."""
+    from service.grpc.codec import pb, tensor_to_pb
+    from service.wire.tensors import ServerTiming
+
+    s = client.create_session(HKV, D, "float32")
+    q, k, v = qkv(2, 80)
+    msg = pb.SessionAttendRequest(sessions=[s.id], q=tensor_to_pb(q), k=tensor_to_pb(k), v=tensor_to_pb(v))
+    t0 = time.perf_counter()
+    _, call = client._stub.SessionAttend.with_call(msg, timeout=60)
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    phases = ServerTiming.parse(dict(call.trailing_metadata())["server-timing"])
+    assert list(phases) == ["decode", "queue", "stage", "launch", "device", "return", "encode"], phases
+    assert all(ms >= 0 for ms in phases.values()) and sum(phases.values()) < wall_ms, (phases, wall_ms)
+    client.delete_session(s)
 
 
 def test_stream_answers_a_bad_step_in_band_and_goes_on(client, http):

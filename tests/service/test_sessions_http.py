@@ -149,6 +149,27 @@ def test_json_steps_and_packed_steps_equal_single_steps(http):
     assert torch.tensor(r.json()["o"]).shape == (3, HQ, D)
 
 
+def test_steps_say_where_the_server_time_went(http):
+    """A step's and a packed step's answers carry the phases of /attention's Server-Timing (read,
+    decode, the engine's queue, stage, launch, device and return, then encode), in that order,
+    non-negative, adding up to less than the call."""
+    sid = create(http)["session"]
+    names = ["read", "decode", "queue", "stage", "launch", "device", "return", "encode"]
+    q, k, v = rand(1, HQ, 2, D, seed=1), rand(1, HKV, 2, D, seed=2), rand(1, HKV, 2, D, seed=3)
+    calls = [(f"/sessions/{sid}/attend", st.save({"q": q, "k": k, "v": v})),
+             ("/sessions/attend", st.save({"q": q[0].transpose(0, 1).contiguous(), "q_lengths": torch.tensor(
+                 [2], dtype=torch.int32)}, metadata={"sessions": sid}))]
+    for path, body in calls:
+        t0 = time.perf_counter()
+        r = http.post(path, headers=ST, content=body)
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+        assert r.status_code == 200, r.text
+        phases = [part.strip().split(";dur=") for part in r.headers["server-timing"].split(",")]
+        assert [name for name, _ in phases] == names, phases
+        durations = [float(d) for _, d in phases]
+        assert all(d >= 0 for d in durations) and sum(durations) < wall_ms, (durations, wall_ms)
+
+
 def _b64(t):
     import base64
 
