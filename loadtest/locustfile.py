@@ -203,7 +203,18 @@ class OipUser(_HttpBase):
 
 class SessionUser(_HttpBase):
     """One session's whole life per task, over HTTP safetensors (API.md §10); the plan is drawn
-    from the session mix (--mix sessions, sessions-small), by weight."""
+    from the session mix (--mix sessions, sessions-small), by weight. A user stopped mid-life ends
+    its session in on_stop, so a finished run leaves none held on the server."""
+
+    sid: str | None = None  # the session this user holds now
+
+    def on_stop(self) -> None:
+        if self.sid is not None:
+            sid, self.sid = self.sid, None
+            with self.client.delete(f"/sessions/{sid}", name="session delete (user stopped)", headers=_State.auth,
+                                    catch_response=True) as resp:
+                if resp.status_code == 404:  # stopped after the step that ended it answered
+                    resp.success()
 
     @task
     def live(self) -> None:
@@ -217,15 +228,17 @@ class SessionUser(_HttpBase):
             if resp.status_code != 201:
                 resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:300]}")
                 return
-            sid = resp.json()["session"]
+            sid = self.sid = resp.json()["session"]
         steps = plan.steps
         for i, n in enumerate(steps):
             phase = "decode" if i >= len(steps) - plan.decode else "prefill"
             for layer in range(plan.layers):
                 last = i == len(steps) - 1 and layer == plan.layers - 1
                 if not self._step(sid, ref, layer, n, phase, end=last):
+                    self.sid = None
                     self.client.delete(f"/sessions/{sid}", name="session delete (after a failure)", headers=auth)
                     return
+        self.sid = None  # the last step's end=true ended it
 
     def _step(self, sid: str, ref: sessions.SessionReference, layer: int, n: int, phase: str, end: bool) -> bool:
         t = ref.tensors(n)

@@ -396,6 +396,15 @@ def test_session_users_live_whole_sessions_with_zero_failures(server, tmp_path):
     assert held["count"] == 0 and held["kv_bytes_used"] == 0, held
 
 
+def test_session_users_stopped_mid_session_end_their_sessions(server, tmp_path):
+    """--stop-timeout 0 stops the users in the middle of their sessions: on_stop deletes each one."""
+    rc, summary, out = loadtest(server, tmp_path, "--users", "4", "--run-time", "3s", "--mix", "sessions-small",
+                                "--stop-timeout", "0", "--api-key", KEY)
+    assert rc == 0 and summary["result"]["failures"] == 0, out
+    held = httpx.get(server.url + "/sessions", headers={"authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert held["count"] == 0 and held["kv_bytes_used"] == 0, held
+
+
 def test_session_mix_and_user_class_must_match(tmp_path):
     for args in (["--mix", "sessions", "--user-class", "st"], ["--mix", "small", "--user-class", "session"]):
         with pytest.raises(SystemExit, match="is for --user-class"):

@@ -297,6 +297,46 @@ def test_delete_returns_the_memory(http):
     assert listing["count"] == 0 and listing["kv_bytes_used"] == 0 and listing["kv_bytes_capacity"] == 256 << 20
 
 
+def test_delete_while_steps_are_queued_returns_every_page(http):
+    """Steps of one (session, layer) run one at a time, so once the first of 12 concurrent steps has
+    answered most of the rest wait queued when the DELETE comes: each step answers 200 or 404, and
+    afterwards no page is held."""
+    for sid in http.get("/sessions").json()["sessions"]:  # what earlier tests left
+        assert http.delete(f"/sessions/{sid}").status_code == 204
+    n = 12
+    for trial in range(3):
+        sid = create(http, f"deleted.{trial}")["session"]
+        statuses, errors = [], []
+        barrier, answered = threading.Barrier(n + 1), threading.Event()
+
+        def run(i, sid=sid, trial=trial, barrier=barrier, answered=answered, statuses=statuses, errors=errors):
+            try:
+                with httpx.Client(base_url=http.base_url, timeout=60.0) as c:
+                    q, k, v = (rand(1, h, 7, D, seed=100 * trial + 10 * i + j) for j, h in enumerate((HQ, HKV, HKV)))
+                    body = st.save({"q": q, "k": k, "v": v})
+                    barrier.wait()
+                    r = c.post(f"/sessions/{sid}/attend", headers=ST, content=body)
+                    statuses.append(r.status_code)
+                    answered.set()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                answered.set()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        assert answered.wait(30)
+        assert http.delete(f"/sessions/{sid}").status_code == 204
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert set(statuses) <= {200, 404} and 200 in statuses, statuses
+        listing = http.get("/sessions").json()
+        assert listing["count"] == 0 and listing["kv_bytes_used"] == 0, (trial, sorted(statuses), listing)
+        assert metric(http, "attnserve_kv_cache_used_bytes") == 0
+
+
 def test_cache_full_is_507_and_idle_sessions_expire(tmp_path):
     # 4 KiB of cache: 8 pages of 16 tokens x 1 head x 4 dims x float32, keys and values
     args = (*FAST, "--kv-cache-mb", str(4096 / 2**20), "--kv-page-tokens", "16", "--session-idle-s", "3",
