@@ -26,7 +26,8 @@ import triton.language as tl
 
 from .softmax import key_range, tanh
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = 1.4426950408889634
+LOG2E_K = tl.constexpr(LOG2E)  # the kernels' copy: a jit function reads only constexpr globals
 
 
 @triton.jit
@@ -173,7 +174,7 @@ def bwd_dkdv(
             lse_base = LSE + (b * H_Q + h) * N_Q
             delta_base = DELTA + (b * H_Q + h) * N_Q
             if HAS_ALIBI:
-                slope = tl.load(ALIBI + b * stride_ab + h * stride_ah) * LOG2E
+                slope = tl.load(ALIBI + b * stride_ab + h * stride_ah) * LOG2E_K
             else:
                 slope = 0.0
             # diagonal rows (masked), whole rows (unmasked), ragged tail (masked)
@@ -284,7 +285,7 @@ def bwd_dq(
     lo, full_lo, full_end, hi = key_range(kv_len, causal_off, pid_m * BLOCK_M, i_hi, win_left, win_right,
                                           BLOCK_N, IS_CAUSAL, WINDOW)
     if HAS_ALIBI:
-        slope = tl.load(ALIBI + b * stride_ab + h * stride_ah) * LOG2E
+        slope = tl.load(ALIBI + b * stride_ab + h * stride_ah) * LOG2E_K
     else:
         slope = 0.0
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

@@ -26,6 +26,7 @@ from triton.language.extra.cuda import gdc_wait
 from .softmax import key_range, online_softmax_block
 
 LOG2E = 1.4426950408889634
+LOG2E_K = tl.constexpr(LOG2E)  # the kernels' copy: a jit function reads only constexpr globals
 
 
 @triton.jit
@@ -141,7 +142,7 @@ def attn_fwd(
     v_base = V + b * stride_vb + kvh * stride_vh
 
     if HAS_ALIBI:                            # each row's head's slope, in log2 units
-        slopes = tl.load(ALIBI + b * stride_ab + head * stride_ah, mask=row_ok, other=0.0) * LOG2E
+        slopes = tl.load(ALIBI + b * stride_ab + head * stride_ah, mask=row_ok, other=0.0) * LOG2E_K
     else:
         slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
 

@@ -21,6 +21,7 @@ import triton.language as tl
 from .softmax import key_range, online_softmax_block
 
 LOG2E = 1.4426950408889634
+LOG2E_K = tl.constexpr(LOG2E)  # the kernels' copy: a jit function reads only constexpr globals
 WORK_FIELDS = 5   # WORK rows: sequence, row tile, key start, key end, partial row (-1: unsplit)
 SEQ_FIELDS = 4    # SEQ rows: q start, n_q, k start (varlen; 0 when paged), n_k
 MERGE_FIELDS = 4  # MERGE rows: token, partial row of split 0, n_q (rows between splits), splits
@@ -157,7 +158,7 @@ def ragged_fwd(
     bt_row = BT + seq.to(tl.int64) * stride_btr
 
     if HAS_ALIBI:                            # each row's head's slope, in log2 units
-        slopes = tl.load(ALIBI + seq * stride_as + head * stride_ah, mask=row_ok, other=0.0) * LOG2E
+        slopes = tl.load(ALIBI + seq * stride_as + head * stride_ah, mask=row_ok, other=0.0) * LOG2E_K
     else:
         slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
 
