@@ -35,7 +35,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from bench.report import md_table, write_png  # noqa: E402
 from bench.timing import graph_ms, rotated_ms  # noqa: E402
-from kernels import flash as flash_launcher  # noqa: E402
+from kernels import launch as launch_cache  # noqa: E402
 from kernels.autograd import flash_attention_autograd  # noqa: E402
 from kernels.flash import flash_forward  # noqa: E402
 from kernels.flash_v1 import flash_v1_forward  # noqa: E402
@@ -121,8 +121,8 @@ def kernels_compiled_since(before: set) -> str:
     """Which kernels (and autotuned configs) the launch cache gained since ``before``: what served
     the row, so a table can say which config answered (the cache is keyed per shape and dtype)."""
     names = []
-    for key in set(flash_launcher._compiled) - before:
-        compiled, cfg, _ = flash_launcher._compiled[key]
+    for key in set(launch_cache._compiled) - before:
+        compiled, cfg, _ = launch_cache._compiled[key]
         name = compiled.metadata.name
         if cfg:
             name += f" {cfg.get('BLOCK_M')}/{cfg.get('BLOCK_N')}/w{cfg['num_warps']}/s{cfg['num_stages']}"
@@ -159,7 +159,7 @@ def bench_forward(rows, providers, log):
                 continue
             try:
                 rep = 60 if n <= 16384 else 200
-                before = set(flash_launcher._compiled)
+                before = set(launch_cache._compiled)
                 ms, extra, out = timed(fwd_fn(p), sets, causal, rep=rep)
                 if p == "flash":
                     row["flash_kernel"] = kernels_compiled_since(before)
