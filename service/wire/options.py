@@ -18,6 +18,7 @@ from service.core.types import LAYOUTS
 from service.errors import BadRequest
 
 _TRUE = ("true", "1", "yes", "on")
+FAR_WINDOW = 1 << 30  # keys: beyond any sequence (the kernels' own "unbounded" bound)
 _FALSE = ("false", "0", "no", "off")
 
 
@@ -52,7 +53,9 @@ def parse_scale(name: str, value: Any, what: str = "option") -> float | None:
 
 def parse_window(name: str, value: Any, what: str = "option") -> tuple[int, int]:
     """flash-attn's (left, right) window: a list [L, R] of ints, or a string "L,R" (brackets or
-    parentheses around it allowed); each side >= -1, -1 meaning unbounded. None or "" is (-1, -1)."""
+    parentheses around it allowed); each side >= -1, -1 meaning unbounded. None or "" is (-1, -1).
+    A side of FAR_WINDOW or more reaches past any sequence the service holds: it becomes -1, so
+    that no kernel argument overflows."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return (-1, -1)
     sides: Any = value
@@ -70,7 +73,8 @@ def parse_window(name: str, value: Any, what: str = "option") -> tuple[int, int]
                          f"got {value!r}")
     if sides[0] < -1 or sides[1] < -1:
         raise BadRequest(f"{what} {name!r} sides must be >= -1 (-1: unbounded), got {value!r}")
-    return (sides[0], sides[1])
+    left, right = (-1 if side >= FAR_WINDOW else side for side in sides)
+    return (left, right)
 
 
 def parse_softcap(name: str, value: Any, what: str = "option") -> float:

@@ -246,8 +246,11 @@ def test_packed_steps_take_per_session_slopes(request, http, client_name):
                                                     r"\(S, Hq\)") as e:
         client.packed_step(sessions, q, None, None, [2, 3], alibi_slopes=torch.ones(3, 4))
     assert e.value.status in (422, grpc.StatusCode.INVALID_ARGUMENT)
+    # a side past any sequence is unbounded (no kernel argument overflows): the plain answer
+    q1 = q[:1].transpose(0, 1)[None]  # (1, Hq, 1, D), a q-only step
+    assert torch.equal(client.step(sessions[0], q1, window_size=(2**62, 0)), client.step(sessions[0], q1))
     with pytest.raises(AttentionServiceError, match=r"window_size.*>= -1") as e:
-        client.step(sessions[0], q[:1].transpose(0, 1)[None], window_size=(-5, 0))
+        client.step(sessions[0], q1, window_size=(-5, 0))
     assert e.value.status in (400, grpc.StatusCode.INVALID_ARGUMENT)
     for s in sessions:
         s.delete()
