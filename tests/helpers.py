@@ -1,8 +1,10 @@
 """What the tests compare attention answers with: an independent float64 statement of the
 attention semantics (``attention64``, one (batch, head) at a time), plain PyTorch in the inputs'
 own dtype (the error budget's yardstick: ``plain_attention`` written out, ``plain_pytorch`` through
-SDPA with an explicit mask, as a user would write either), and the budget check the transports'
-tests share (``assert_close_to_reference``: at most ~2x plain PyTorch's error, STYLE item 11)."""
+SDPA with an explicit mask, as a user would write either), flash-attn's score modifiers written out
+(``masked64``: window, softcap, ALiBi, in float64 or any dtype), and the budget checks the transports'
+tests share (``assert_close_to_reference``, ``assert_close_to_masked``: at most ~2x plain PyTorch's
+error, STYLE item 11)."""
 
 from __future__ import annotations
 
@@ -69,6 +71,49 @@ def plain_pytorch(q, k, v, *, causal=False, scale=None, kv_lengths=None):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return torch.nan_to_num(o, nan=0.0)
+
+
+def masked64(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi=None, dtype=torch.float64):
+    """(o, lse) of q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) computed in ``dtype``, straight from
+    flash-attn's definitions: i_al = i + Nk - Nq; s = softcap·tanh(scale·q·k / softcap) - slope·|i_al - j|;
+    key j visible iff causal j <= i_al and i_al - left <= j <= i_al + right (-1: unbounded).
+    alibi: (Hq,) or (B, Hq). Rows that see no key: o = 0, lse = -inf."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i_al = torch.arange(nq)[:, None] + (nk - nq)
+    j = torch.arange(nk)[None, :]
+    if alibi is not None:
+        slopes = alibi.to(dtype).reshape(-1, hq)[:, :, None, None]
+        s = s - slopes * (i_al - j).abs().to(dtype)
+    ok = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        ok &= j <= i_al
+    if window[0] >= 0:
+        ok &= j >= i_al - window[0]
+    if window[1] >= 0:
+        ok &= j <= i_al + window[1]
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ v), lse
+
+
+def assert_close_to_masked(o, q, k, v, **opts):
+    """o against ``masked64`` in float64: at most 2x the error of the same formula in q's dtype, plus
+    one output rounding (STYLE item 11). opts: causal, scale, window, softcap, alibi."""
+    ref, _ = masked64(q, k, v, **opts)
+    plain, _ = masked64(q, k, v, dtype=q.dtype, **opts)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    err = (o.double() - ref).abs().max().item()
+    ulp = torch.finfo(q.dtype).eps * ref.abs().max().item()
+    budget = 2 * (plain.double() - ref).abs().max().item() + ulp
+    assert err <= budget, f"max error {err:.3g} over budget {budget:.3g}"
 
 
 def assert_close_to_reference(o, q, k, v, *, causal=False, scale=None, kv_lengths=None, lse=None):

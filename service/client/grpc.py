@@ -23,7 +23,7 @@ error type with the same fields, and the stream goes on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -73,13 +73,20 @@ def _opt(t: torch.Tensor | None):
 def attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                    scale: float | None = None, kv_lengths: torch.Tensor | None = None,
                    return_lse: bool = False, layout: str = "bhnd", kernel: str = "auto",
-                   request_id: str = ""):
+                   request_id: str = "", window_size: Sequence[int] | None = None, softcap: float | None = None,
+                   alibi_slopes: torch.Tensor | None = None):
     """The AttendRequest message of one call (the keyword arguments of ``attention``)."""
     return pb.AttendRequest(
         q=grpc_codec.tensor_to_pb(q), k=grpc_codec.tensor_to_pb(k), v=grpc_codec.tensor_to_pb(v),
         causal=causal, scale=scale, layout=layout, return_lse=return_lse, kv_lengths=_opt(kv_lengths),
-        kernel=kernel, request_id=request_id,
+        kernel=kernel, request_id=request_id, **_masks(window_size, softcap, alibi_slopes),
     )
+
+
+def _masks(window_size: Sequence[int] | None, softcap: float | None, alibi_slopes: torch.Tensor | None) -> dict:
+    """The score modifiers' message fields; None leaves a field unset (the server's default)."""
+    return {"window_size": None if window_size is None else list(window_size), "softcap": softcap,
+            "alibi_slopes": _opt(alibi_slopes)}
 
 
 def _result(resp) -> Result:
@@ -126,10 +133,15 @@ class GrpcAttentionClient(SessionsMixin):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   scale: float | None = None, kv_lengths: torch.Tensor | None = None,
-                  return_lse: bool = False, layout: str = "bhnd", kernel: str = "auto") -> Result:
-        """q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D) ((B, N, H, D) with layout="bnhd") -> o [, lse]."""
+                  return_lse: bool = False, layout: str = "bhnd", kernel: str = "auto",
+                  window_size: Sequence[int] | None = None, softcap: float | None = None,
+                  alibi_slopes: torch.Tensor | None = None) -> Result:
+        """q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D) ((B, N, H, D) with layout="bnhd") -> o [, lse].
+        window_size (left, right), softcap, alibi_slopes float32 (Hq,) or (B, Hq): flash-attn's score
+        modifiers (docs/api.md#attention-semantics); None: the server's default (off)."""
         req = attend_request(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
-                             return_lse=return_lse, layout=layout, kernel=kernel)
+                             return_lse=return_lse, layout=layout, kernel=kernel, window_size=window_size,
+                             softcap=softcap, alibi_slopes=alibi_slopes)
         return _result(self._call(self._stub.Attend, req))
 
     def attention_stream(self, requests: Iterable[dict[str, Any]], timeout: float | None = None
@@ -221,14 +233,16 @@ class GrpcAttentionClient(SessionsMixin):
 def session_attend_request(sessions: list[str] | str, q: torch.Tensor, k: torch.Tensor | None = None,
                            v: torch.Tensor | None = None, q_lengths: Any = None, layer: int = 0,
                            causal: bool = True, scale: float | None = None, return_lse: bool = False,
-                           end: bool = False, layout: str = "bhnd", request_id: str = ""):
+                           end: bool = False, layout: str = "bhnd", request_id: str = "",
+                           window_size: Sequence[int] | None = None, softcap: float | None = None,
+                           alibi_slopes: torch.Tensor | None = None):
     """The SessionAttendRequest message of one step (one session, 4-D q) or packed step (q_lengths)."""
     return pb.SessionAttendRequest(
         sessions=[sessions] if isinstance(sessions, str) else [str(s) for s in sessions], layer=layer,
         q=grpc_codec.tensor_to_pb(q), k=_opt(k), v=_opt(v),
         q_lengths=None if q_lengths is None else grpc_codec.tensor_to_pb(q_lengths_tensor(q_lengths)),
         causal=causal, scale=scale, return_lse=return_lse, end=end, request_id=request_id,
-        layout="" if q_lengths is not None else layout,
+        layout="" if q_lengths is not None else layout, **_masks(window_size, softcap, alibi_slopes),
     )
 
 

@@ -18,6 +18,7 @@ Errors raise ``AttentionServiceError`` carrying the HTTP ``status``, the service
 from __future__ import annotations
 
 import http.client
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -75,6 +76,17 @@ def _read_body(r: urllib3.BaseHTTPResponse) -> bytearray:
 def _bool(value: bool) -> str:
     return "true" if value else "false"
 
+
+
+def mask_params(window_size: Sequence[int] | None, softcap: float | None) -> dict[str, str]:
+    """The score modifiers as query parameters (window_size "L,R"); None sends nothing (the
+    server's default, off). Values are sent as given: the server checks them."""
+    params = {}
+    if window_size is not None:
+        params["window_size"] = ",".join(str(w) for w in window_size)
+    if softcap is not None:
+        params["softcap"] = repr(softcap) if isinstance(softcap, float) else str(softcap)
+    return params
 
 class AttentionClient(SessionsMixin):
     """A synchronous client (urllib3, connection pooling); safe to share between threads.
@@ -175,17 +187,24 @@ class AttentionClient(SessionsMixin):
         return_lse: bool = False,
         layout: str = "bhnd",
         kernel: str = "auto",
+        window_size: Sequence[int] | None = None,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D) ((B, N, H, D) with layout="bnhd") -> o [, lse]."""
+        """q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D) ((B, N, H, D) with layout="bnhd") -> o [, lse].
+        window_size (left, right), softcap, alibi_slopes float32 (Hq,) or (B, Hq): flash-attn's score
+        modifiers (docs/api.md#attention-semantics); None: the server's default (off)."""
         params = {
             "causal": _bool(causal),
             "return_lse": _bool(return_lse),
             "layout": layout,
             "kernel": kernel,
+            **mask_params(window_size, softcap),
         }
         if scale is not None:
             params["scale"] = repr(float(scale))
-        out = self._post("/attention", {"q": q, "k": k, "v": v, "kv_lengths": kv_lengths}, params)
+        out = self._post("/attention", {"q": q, "k": k, "v": v, "kv_lengths": kv_lengths,
+                                        "alibi_slopes": alibi_slopes}, params)
         return (out["o"], out["lse"]) if return_lse else out["o"]
 
     def layers(self) -> list[dict[str, Any]]:
@@ -232,8 +251,10 @@ class AttentionClient(SessionsMixin):
 
     def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None], options: dict[str, Any],
                       affinity: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        params = {name: _bool(value) if isinstance(value, bool) else str(value)
-                  for name, value in options.items() if value is not None}
+        options = dict(options)
+        params = mask_params(options.pop("window_size", None), options.pop("softcap", None))
+        params.update({name: _bool(value) if isinstance(value, bool) else str(value)
+                       for name, value in options.items() if value is not None})
         if "scale" in options and options["scale"] is not None:
             params["scale"] = repr(float(options["scale"]))
         if "q_lengths" in tensors:  # a packed step

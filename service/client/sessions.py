@@ -108,22 +108,29 @@ class SessionsMixin:
 
     def step(self, session: Session | str, q: torch.Tensor, k: torch.Tensor | None = None,
              v: torch.Tensor | None = None, *, layer: int = 0, causal: bool = True, scale: float | None = None,
-             return_lse: bool = False, end: bool = False, layout: str = "bhnd") -> Result:
-        """One step: q (1, Hq, n, D), k/v (1, Hkv, n, D) (or none) -> o (1, Hq, n, D) [, lse (1, Hq, n)]."""
+             return_lse: bool = False, end: bool = False, layout: str = "bhnd",
+             window_size: Sequence[int] | None = None, softcap: float | None = None,
+             alibi_slopes: torch.Tensor | None = None) -> Result:
+        """One step: q (1, Hq, n, D), k/v (1, Hkv, n, D) (or none) -> o (1, Hq, n, D) [, lse (1, Hq, n)].
+        window_size, softcap, alibi_slopes (float32 (Hq,)): as ``attention``'s, the step's rows at
+        the session's last positions."""
         options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end,
-                   "layout": layout}
+                   "layout": layout, "window_size": window_size, "softcap": softcap}
         sid = session_id(session)
-        o, lse = self._session_step([sid], {"q": q, "k": k, "v": v}, options, self._affinity(sid))
+        o, lse = self._session_step([sid], {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes}, options,
+                                    self._affinity(sid))
         return (o, lse) if return_lse else o
 
     def packed_step(self, sessions: Sequence[Session | str], q: torch.Tensor, k: torch.Tensor | None,
                     v: torch.Tensor | None, q_lengths: torch.Tensor | Sequence[int], *, layer: int = 0,
                     causal: bool = True, scale: float | None = None, return_lse: bool = False,
-                    end: bool = False) -> Result:
+                    end: bool = False, window_size: Sequence[int] | None = None, softcap: float | None = None,
+                    alibi_slopes: torch.Tensor | None = None) -> Result:
         """Many sessions' rows in one call: q (T, Hq, D), k/v (T, Hkv, D) (or none), q_lengths [S]
-        -> o (T, Hq, D) [, lse (Hq, T)]."""
-        options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end}
-        tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths_tensor(q_lengths)}
+        -> o (T, Hq, D) [, lse (Hq, T)]. alibi_slopes: float32 (Hq,) or (S, Hq), one row per session."""
+        options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end,
+                   "window_size": window_size, "softcap": softcap}
+        tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths_tensor(q_lengths), "alibi_slopes": alibi_slopes}
         ids = [session_id(s) for s in sessions]
         o, lse = self._session_step(ids, tensors, options, self._affinity(ids[0] if ids else ""))
         return (o, lse) if return_lse else o

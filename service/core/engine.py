@@ -172,7 +172,7 @@ class Engine:
             layer = self._layers.get(req.layer)
             if layer is None:
                 raise NotFound(f"unknown layer {req.layer!r}; GET /layers lists the loaded ones")
-            layer.check_call(req.x, req.positions, req.kv_lengths)
+            layer.check_call(req.x, req.positions, req.kv_lengths, causal=req.causal)
             b, n = req.x.shape[0], req.x.shape[1]
             memory = layer_memory(req, layer.info.hidden_size)
             self._check_memory(memory, f"this call of layer {req.layer!r}")

@@ -35,11 +35,15 @@ def graph_key(req: AttentionRequest) -> tuple:
 
 
 def _inputs(req: AttentionRequest) -> list[tuple[torch.Tensor, torch.dtype]]:
-    """(tensor, dtype it is staged as): q, k, v, and kv_lengths as int32 when given."""
+    """(tensor, dtype it is staged as): q, k, v, kv_lengths as int32 when given, and the ALiBi
+    slopes as float32 (B, Hq) when given. The slopes are an input, not part of the graph: a replay
+    reads the request's own (their presence, the window and the cap are in the key)."""
     dtype = req.q.dtype
     inputs = [(req.q, dtype), (req.k, dtype), (req.v, dtype)]
     if req.kv_lengths is not None:
         inputs.append((req.kv_lengths, torch.int32))
+    if req.alibi_rows is not None:
+        inputs.append((req.alibi_rows, torch.float32))
     return inputs
 
 
@@ -83,10 +87,15 @@ class Graph:
             dev.append(dev_in[off : off + host_views[-1].nbytes].view(dtype).view(t.shape))
         dev_in.copy_(host_in)
 
+        masks = req.spec.masks
+        kv_lengths = dev[3] if req.kv_lengths is not None else None
+        alibi = dev[-1] if masks.alibi is not None else None
+
         def call():
             return kernels.attention(dev[0], dev[1], dev[2], causal=req.causal, scale=req.scale,
-                                     kv_lengths=dev[3] if len(dev) > 3 else None, return_lse=True,
-                                     kernel=req.kernel)
+                                     kv_lengths=kv_lengths, return_lse=True, kernel=req.kernel,
+                                     window_size=(masks.left, masks.right), softcap=masks.softcap,
+                                     alibi_slopes=alibi)
 
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.stream(stream):

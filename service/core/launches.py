@@ -68,12 +68,15 @@ def launch_attention(reqs: list[AttentionRequest], stage: Callable, to_host: Cal
     """One launch of ``kernels.attention`` over ``reqs`` (one launch key), concatenated along B."""
     first = reqs[0]
     dtype = first.q.dtype
-    q, k, v, kv_lengths = stage(  # (ΣB, Hq, Nq, D), (ΣB, Hkv, Nk, D) x2, (ΣB,) or None
+    masks = first.spec.masks  # equal across the batch but for the slopes (part of its key)
+    q, k, v, kv_lengths, alibi = stage(  # (ΣB, Hq, Nq, D), (ΣB, Hkv, Nk, D) x2, (ΣB,) or None, (ΣB, Hq) or None
         ([r.q for r in reqs], dtype),
         ([r.k for r in reqs], dtype),
         ([r.v for r in reqs], dtype),
         # kv_lengths presence is part of the batch key
         ([r.kv_lengths for r in reqs], torch.int32) if first.kv_lengths is not None else None,
+        # so is the presence of slopes: each request's rows, stacked, so that every row keeps its own
+        ([r.alibi_rows for r in reqs], torch.float32) if masks.alibi is not None else None,
     )
     staged_at = time.perf_counter()
     with lock:
@@ -86,10 +89,13 @@ def launch_attention(reqs: list[AttentionRequest], stage: Callable, to_host: Cal
             kv_lengths=kv_lengths,
             return_lse=True,
             kernel=first.kernel,
+            window_size=(masks.left, masks.right),
+            softcap=masks.softcap,
+            alibi_slopes=alibi,
         )
     want_lse = any(r.return_lse for r in reqs)
     (o_host, lse_host), done = to_host([o, lse if want_lse else None])
-    keep = (q, k, v, kv_lengths, o, lse)  # device memory stays ours until the copies are done
+    keep = (q, k, v, kv_lengths, alibi, o, lse)  # device memory stays ours until the copies are done
 
     def split() -> list[Outcome]:
         results: list[Outcome] = []

@@ -23,9 +23,13 @@ from functools import cached_property
 import torch
 
 import kernels
+from kernels.dispatch import V1_NO_MASKS
 from service.errors import BadRequest, InvalidInput, from_kernel_error
 
 LAYOUTS = ("bhnd", "bnhd")
+
+# kernels that take no score modifiers, and why (the dispatch's own reason)
+MASKLESS_KERNELS = {"flash_v1": V1_NO_MASKS}
 
 # time.perf_counter() when the launch that answered a request was handed to its worker, when its
 # inputs were staged (copied to pinned memory, host->device copies enqueued), when its kernel and
@@ -55,6 +59,9 @@ class AttentionRequest:
     return_lse: bool = False
     kv_lengths: torch.Tensor | None = None
     kernel: str = "auto"
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None  # float32 (Hq,) or (B, Hq)
     request_id: str = field(default_factory=new_request_id)
     deadline: float | None = None  # time.monotonic() after which the request must not launch
     arrived: float = field(default_factory=time.monotonic)
@@ -73,26 +80,43 @@ class AttentionRequest:
     @cached_property
     def spec(self) -> kernels.AttnSpec:
         """The checked problem (computed once): raises ``InvalidInput`` for shapes, dtypes or
-        kv_lengths the kernels refuse, ``BadRequest`` for an unknown kernel or layout."""
+        kv_lengths or score modifiers the kernels refuse (a masked call asked of a kernel that takes
+        no modifiers included, with the dispatch's reason), ``BadRequest`` for an unknown kernel or
+        layout."""
         try:
             spec = kernels.check_inputs(
-                self.q, self.k, self.v, causal=self.causal, scale=self.scale, kv_lengths=self.kv_lengths
+                self.q, self.k, self.v, causal=self.causal, scale=self.scale, kv_lengths=self.kv_lengths,
+                window_size=self.window_size, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
             )
         except kernels.AttentionInputError as exc:
             raise from_kernel_error(exc) from None
         if self.kernel not in kernels.KERNELS:  # a bad option value: 400, as API.md §7 says
             raise BadRequest(f"unknown kernel {self.kernel!r}; choose one of {', '.join(kernels.KERNELS)}")
         _check_layout(self.layout)
+        if spec.masks.active and self.kernel in MASKLESS_KERNELS:
+            # refused here, on admission, rather than by the launch that would raise it
+            raise InvalidInput(f"kernel {self.kernel!r} cannot run this call ({spec.masks.describe()}): "
+                               f"{MASKLESS_KERNELS[self.kernel]}")
         return spec
 
     @cached_property
     def launch_key(self) -> tuple:
         """Requests of equal keys can share a launch: equal after layout normalisation but for B.
         kv_lengths presence is part of it (a padded launch differs from an unpadded one); layout
-        and return_lse are not (they only shape the answer)."""
+        and return_lse are not (they only shape the answer). The score modifiers are, as the kernel
+        sees them (a window side no key reaches already dropped): the window, the cap and whether
+        ALiBi slopes are given; the slopes themselves are not, since a launch stacks them per row
+        (``alibi_rows``)."""
         s = self.spec
+        m = s.masks
         return ("attention", s.dtype, s.heads_q, s.heads_kv, s.n_q, s.n_k, s.head_dim, s.causal, s.scale,
-                self.kernel, s.has_kv_lengths)
+                self.kernel, s.has_kv_lengths, m.left, m.right, m.softcap, m.alibi is not None)
+
+    @property
+    def alibi_rows(self) -> torch.Tensor | None:
+        """float32 (B, Hq) slopes, one row per batch element (a shared set expanded, not copied),
+        or None: what a launch stacks along B."""
+        return self.spec.masks.alibi_for(self.spec.batch)
 
     @cached_property
     def tokens(self) -> int:

@@ -59,6 +59,22 @@ def dtype_to_pb(dtype: torch.dtype | str) -> int:
 
 # ---- server side: request message -> internal request; internal result -> response message ----
 
+def mask_options(msg) -> dict:
+    """The score modifiers of an AttendRequest or SessionAttendRequest -> the request's keywords,
+    parsed as the HTTP routes parse them (``service.wire.options``): window_size (empty: unbounded),
+    softcap (unset: off), alibi_slopes (a Tensor)."""
+    raw: dict = {}
+    if len(msg.window_size):
+        raw["window_size"] = list(msg.window_size)
+    if msg.HasField("softcap"):
+        raw["softcap"] = msg.softcap
+    opts = parse_options(raw)
+    slopes = tensor_from_pb(msg, "alibi_slopes", required=False)
+    if slopes is not None:
+        opts["alibi_slopes"] = slopes
+    return opts
+
+
 def attention_request(msg, *, deadline: float | None, request_id: str | None = None) -> AttentionRequest:
     """attention.v1.AttendRequest -> AttentionRequest (q/k/v views in bhnd); layout and kernel are
     parsed as the HTTP routes parse them (``service.wire.options``)."""
@@ -69,7 +85,7 @@ def attention_request(msg, *, deadline: float | None, request_id: str | None = N
     return AttentionRequest.from_layout(
         q, k, v, causal=msg.causal, scale=msg.scale if msg.HasField("scale") else None,
         return_lse=msg.return_lse, kv_lengths=kv_lengths_int32(tensor_from_pb(msg, "kv_lengths", required=False)),
-        deadline=deadline, **opts, **ids,
+        deadline=deadline, **opts, **mask_options(msg), **ids,
     )
 
 

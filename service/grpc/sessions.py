@@ -41,7 +41,7 @@ def session_step(msg, *, deadline: float | None, request_id: str | None = None) 
     options: dict[str, Any] = {
         "layer": msg.layer, "causal": msg.causal if msg.HasField("causal") else True,
         "scale": msg.scale if msg.HasField("scale") else None, "return_lse": msg.return_lse, "end": msg.end,
-        "deadline": deadline,
+        "deadline": deadline, **codec.mask_options(msg),
     }
     if msg.request_id or request_id:
         options["request_id"] = msg.request_id or request_id

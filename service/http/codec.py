@@ -25,9 +25,9 @@ from service.wire.tensors import check_dims, kv_lengths_int32, parse_safetensors
 SAFETENSORS = "application/x-safetensors"
 JSON = "application/json"
 
-ATTENTION_OPTIONS = ("causal", "scale", "layout", "return_lse", "kernel")
+ATTENTION_OPTIONS = ("causal", "scale", "layout", "return_lse", "kernel", "window_size", "softcap")
 LAYER_OPTIONS = ("causal",)
-ATTENTION_TENSORS = ("q", "k", "v", "kv_lengths")
+ATTENTION_TENSORS = ("q", "k", "v", "kv_lengths", "alibi_slopes")
 LAYER_TENSORS = ("x", "positions", "kv_lengths")
 
 
@@ -87,6 +87,7 @@ def decode_attention(
         tensors["v"],
         layout=layout,
         kv_lengths=kv_lengths_int32(tensors.get("kv_lengths")),
+        alibi_slopes=tensors.get("alibi_slopes"),
         request_id=request_id,
         deadline=deadline,
         arrived=arrived,

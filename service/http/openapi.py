@@ -59,7 +59,18 @@ SCHEMAS: dict[str, Any] = {
             "layout": {"type": "string", "enum": list(LAYOUTS)},
             "return_lse": {"type": "boolean"},
             "kernel": {"type": "string", "enum": list(kernels.KERNELS)},
+            "window_size": {"$ref": "#/components/schemas/WindowSize"},
+            "softcap": {"type": "number", "minimum": 0},
+            "alibi_slopes": {"$ref": "#/components/schemas/Tensor"},
         },
+    },
+    "WindowSize": {
+        "description": "flash-attn's sliding window (left, right) in keys, -1 a side unbounded: "
+                       "[L, R] or the string \"L,R\"",
+        "anyOf": [
+            {"type": "array", "items": {"type": "integer", "minimum": -1}, "minItems": 2, "maxItems": 2},
+            {"type": "string", "pattern": r"^\s*-?\d+\s*,\s*-?\d+\s*$"},
+        ],
     },
     "AttentionJSONResult": {
         "type": "object",
@@ -206,6 +217,14 @@ def _body(json_schema: str, result_schema: str, options: list[dict]) -> dict:
     }
 
 
+# the score modifiers as query parameters (alibi_slopes is a tensor of the body: no query form)
+MASK_QUERY = [
+    {"name": "window_size", "in": "query", "schema": {"type": "string", "pattern": r"^\s*-?\d+\s*,\s*-?\d+\s*$"},
+     "description": "sliding window \"L,R\" in keys (-1: unbounded; flash-attn's window_size)"},
+    {"name": "softcap", "in": "query", "schema": {"type": "number", "minimum": 0},
+     "description": "soft cap: scores become softcap·tanh(score/softcap); 0 is off"},
+]
+
 ATTENTION_OPENAPI = _body(
     "AttentionJSON",
     "AttentionJSONResult",
@@ -215,6 +234,7 @@ ATTENTION_OPENAPI = _body(
         {"name": "layout", "in": "query", "schema": {"type": "string", "enum": list(LAYOUTS)}},
         {"name": "return_lse", "in": "query", "schema": _BOOL_Q},
         {"name": "kernel", "in": "query", "schema": {"type": "string", "enum": list(kernels.KERNELS)}},
+        *MASK_QUERY,
     ],
 )
 LAYER_OPENAPI = _body("LayerJSON", "LayerJSONResult", [{"name": "causal", "in": "query", "schema": _BOOL_Q}])

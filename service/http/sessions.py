@@ -29,14 +29,15 @@ from service.http import body as http_body
 from service.http import codec
 from service.http.disconnect import unless_gone
 from service.http.json_tensors import json_tensor
+from service.http.openapi import MASK_QUERY
 from service.http.routes import DirectRoute
 from service.sessions import SessionStep
 from service.settings import Settings
 from service.wire.options import parse_bool, parse_options
 from service.wire.tensors import ServerTiming
 
-STEP_TENSORS = ("q", "k", "v")
-STEP_OPTIONS = ("layer", "causal", "scale", "layout", "return_lse", "end")
+STEP_TENSORS = ("q", "k", "v", "alibi_slopes")
+STEP_OPTIONS = ("layer", "causal", "scale", "layout", "return_lse", "end", "window_size", "softcap")
 PACKED_OPTIONS = (*STEP_OPTIONS, "sessions")
 CREATE_FIELDS = ("session", "layers", "num_kv_heads", "head_dim", "dtype")
 SESSION_PARAMETER = {"name": "session", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -52,7 +53,8 @@ def _parse_layer(value: Any) -> int:
 
 def step_options(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Raw option values (query strings, metadata strings, JSON values) -> SessionStep keywords."""
-    out = parse_options({k: v for k, v in raw.items() if k in ("causal", "scale", "layout", "return_lse")})
+    out = parse_options({k: v for k, v in raw.items()
+                         if k in ("causal", "scale", "layout", "return_lse", "window_size", "softcap")})
     if "layer" in raw:
         out["layer"] = _parse_layer(raw["layer"])
     if "end" in raw:
@@ -78,7 +80,7 @@ def decode_step(session: str, body: bytearray, mtype: str, query: Mapping[str, s
     opts = step_options(raw)
     layout = opts.pop("layout", "bhnd")
     return SessionStep.single(session, tensors["q"], tensors.get("k"), tensors.get("v"), layout=layout,
-                              **opts, **ids), encoding
+                              alibi_slopes=tensors.get("alibi_slopes"), **opts, **ids), encoding
 
 
 def decode_packed(body: bytearray, mtype: str, query: Mapping[str, str], **ids: Any) -> tuple[SessionStep, str]:
@@ -109,7 +111,7 @@ def decode_packed(body: bytearray, mtype: str, query: Mapping[str, str], **ids: 
     if opts.pop("layout", "bhnd") != "bhnd":
         raise BadRequest("a packed step's tensors are [T, H, D]: it takes no layout")
     return SessionStep.packed(sessions, tensors["q"], tensors.get("k"), tensors.get("v"), lengths,
-                              **opts, **ids), encoding
+                              alibi_slopes=tensors.get("alibi_slopes"), **opts, **ids), encoding
 
 
 def _json(doc: Any, status: int = 200) -> Response:
@@ -188,10 +190,12 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     # the steps are the hot path: DirectRoutes, their path parameter documented by hand
     router.add_api_route("/sessions/attend", attend_packed, methods=["POST"], response_class=Response,
                          summary="a packed step: many sessions' new tokens in one call",
+                         openapi_extra={"parameters": MASK_QUERY},
                          route_class_override=DirectRoute)
     router.add_api_route("/sessions/{session}/attend", attend, methods=["POST"], response_class=Response,
                          summary="a step: append k, v, then attend q over the session's keys",
-                         openapi_extra={"parameters": [SESSION_PARAMETER]}, route_class_override=DirectRoute)
+                         openapi_extra={"parameters": [SESSION_PARAMETER, *MASK_QUERY]},
+                         route_class_override=DirectRoute)
 
     @router.get("/sessions/{session}", summary="a session's description")
     async def get_session(session: str) -> Response:

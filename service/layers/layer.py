@@ -84,7 +84,7 @@ class DeviceLayer:
         Raises ``errors.InvalidInput`` for inputs that do not fit the layer.
         """
         h, hkv, d = self.info.num_heads, self.info.num_kv_heads, self.info.head_dim
-        check_call(self.info, self.sliding_window, x, positions, kv_lengths)
+        check_call(self.info, self.sliding_window, x, positions, kv_lengths, causal=causal)
         x = x.to(device=self.device, dtype=self.info.dtype)
         b, n, _ = x.shape
         positions = self._check_positions(positions, b, n)
@@ -98,7 +98,8 @@ class DeviceLayer:
             if self._rope is not None:
                 q, k = self._rope.apply(q, positions), self._rope.apply(k, positions)
             try:
-                o = kernels.attention(q, k, v, causal=causal, kv_lengths=kv_lengths, kernel=kernel)
+                o = kernels.attention(q, k, v, causal=causal, kv_lengths=kv_lengths, kernel=kernel,
+                                      window_size=window_of(self.sliding_window, causal))
             except kernels.AttentionInputError as exc:
                 raise from_kernel_error(exc) from None
             o = o.transpose(1, 2).reshape(b, n, h * d)  # (B, H, N, D) -> (B, N, H·D)
@@ -115,12 +116,24 @@ class DeviceLayer:
         return None if kv_lengths is None else kv_lengths.to(self.device)
 
 
+def window_of(sliding_window: int | None, causal: bool) -> tuple[int, int]:
+    """The kernels' window_size of a layer with HF's ``sliding_window`` W: a query sees itself and
+    the W - 1 keys before it (Mistral's and Qwen2's meaning: HF masks key j of query i unless
+    i - W < j <= i), so (W - 1, -1) with causal bounding the right; (-1, -1) without a window.
+    A non-causal call gets no window: ``check_call`` admits one only while N <= W, where the window
+    bounds nothing."""
+    if sliding_window is None or not causal:
+        return (-1, -1)
+    return (sliding_window - 1, -1)
+
+
 def check_call(info: LayerInfo, sliding_window: int | None, x: Any, positions: Any = None,
-               kv_lengths: Any = None) -> None:
+               kv_lengths: Any = None, *, causal: bool = True) -> None:
     """Raise ``errors.InvalidInput`` unless x (B, N, hidden) float, positions integer (B, N) and
-    kv_lengths integer (B,) fit the layer. Cheap and host-side: the engine calls it before queueing
-    a request, and ``DeviceLayer.forward`` before computing (kv_lengths' range only for host tensors:
-    reading it on a GPU would synchronise the device)."""
+    kv_lengths integer (B,) fit the layer, and a sliding-window layer's call longer than its window
+    is causal (the window is defined over the keys before a query). Cheap and host-side: the engine
+    calls it before queueing a request, and ``DeviceLayer.forward`` before computing (kv_lengths'
+    range only for host tensors: reading it on a GPU would synchronise the device)."""
 
     def invalid(message: str) -> InvalidInput:
         return InvalidInput(f"layer {info.name!r}: {message}")
@@ -133,10 +146,11 @@ def check_call(info: LayerInfo, sliding_window: int | None, x: Any, positions: A
         raise invalid(f"x needs B >= 1 and N >= 1, got {list(x.shape)}")
     if not x.is_floating_point():
         raise invalid(f"x must be a float tensor, got {x.dtype}")
-    if sliding_window is not None and n > sliding_window:
+    if sliding_window is not None and n > sliding_window and not causal:
         raise invalid(
-            f"the checkpoint uses sliding-window attention over {sliding_window} tokens, which is not "
-            f"implemented; sequences of up to {sliding_window} tokens are exact, got N={n}"
+            f"the checkpoint uses causal sliding-window attention over {sliding_window} tokens: a call "
+            f"longer than the window (N={n}) must be causal (causal=true); a non-causal one is exact up to "
+            f"N={sliding_window}"
         )
     if positions is not None:
         if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, n):
@@ -163,13 +177,13 @@ class Layer:
                  source: str = "", sliding_window: int | None = None):
         self.info = info
         self.source = source  # "DIR:INDEX", for logs
-        self.sliding_window = sliding_window  # Mistral-style window: longer sequences are refused
+        self.sliding_window = sliding_window  # Mistral-style window W: window_size (W - 1, 0) when causal
         self._w = weights
         self._rope = rope
 
-    def check_call(self, x: Any, positions: Any = None, kv_lengths: Any = None) -> None:
+    def check_call(self, x: Any, positions: Any = None, kv_lengths: Any = None, *, causal: bool = True) -> None:
         """Validate a call's inputs on the host (``check_call``), before it is queued."""
-        check_call(self.info, self.sliding_window, x, positions, kv_lengths)
+        check_call(self.info, self.sliding_window, x, positions, kv_lengths, causal=causal)
 
     def to(self, device: torch.device | str) -> DeviceLayer:
         device = torch.device(device)

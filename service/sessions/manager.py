@@ -284,7 +284,7 @@ class SessionManager:
     def _works(self, step: SessionStep) -> list[Work]:
         by_worker: dict[int, list[Seq]] = {}
         geometry = None
-        for sid, rows in zip(step.sessions, step.rows, strict=True):
+        for index, (sid, rows) in enumerate(zip(step.sessions, step.rows, strict=True)):
             s = self.table.get(sid)
             g = s.geometry
             if step.layer >= s.layers:
@@ -302,7 +302,7 @@ class SessionManager:
             if geometry is not None and g != geometry:
                 raise InvalidInput("the sessions of a packed step must share num_kv_heads, head_dim and dtype")
             geometry = g
-            by_worker.setdefault(s.worker, []).append(Seq(s, s.kv[step.layer], rows))
+            by_worker.setdefault(s.worker, []).append(Seq(s, s.kv[step.layer], rows, index))
         return [Work(step, seqs, geometry) for seqs in by_worker.values()]
 
     async def _run(self, step: SessionStep, works: list[Work]) -> SessionResult:

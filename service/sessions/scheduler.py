@@ -5,8 +5,9 @@ held by several workers; each runs its own part). Works wait in their worker's F
 the batcher's (``service.core.batcher``): a worker with nothing running never waits (the works that
 arrived in the same loop iteration go together); while it is busy, works gather until they hold
 ``--max-batch-tokens`` query rows or the oldest has waited ``--max-queue-delay-ms``. A launch takes
-the oldest launchable work's key (Hq, Hkv, D, dtype, causal, scale: what the kernels see; lse is
-always computed, so return_lse is not part of it) and every later work of that key.
+the oldest launchable work's key (Hq, Hkv, D, dtype, causal, scale, the window and the cap and
+whether ALiBi slopes are given: what the kernels see; each sequence's slopes are its own row of the
+launch's; lse is always computed, so return_lse is not part of it) and every later work of that key.
 
 Order: a work holds its (session, layer) pairs from launch until its step is answered (``done``);
 a work with a pair held, or held by an earlier work still queued, waits. So steps on one (session,
@@ -49,6 +50,7 @@ class Seq:
     session: Any  # service.sessions.manager.Session
     kv: SequenceKV
     rows: tuple[int, int]
+    index: int = 0  # its place among the step's sessions (its row of the step's ALiBi slopes)
 
 
 @dataclass(eq=False)
@@ -65,7 +67,7 @@ class Work:
     @property
     def key(self) -> Hashable:
         s = self.step
-        return (s.heads_q, self.geometry, s.causal, s.scale)
+        return (s.heads_q, self.geometry, s.causal, s.scale, s.mask_key)
 
     @property
     def pairs(self) -> set[tuple[str, int]]:
@@ -172,11 +174,14 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
     device, cuda = cache.device, cache.device.type == "cuda"
     first = works[0].step
     arena = cache.arena(works[0].geometry)
-    q_parts, k_parts, v_parts = [], [], []
+    q_parts, k_parts, v_parts, slopes = [], [], [], []
     cu_q, cu_new, before, after, tables = [0], [0], [], [], []
+    masks = first.masks  # equal across the launch but for the slopes (part of its key)
     for w in works:
         new = w.step.k is not None
         for s, c in zip(w.seqs, w.before, strict=True):
+            if masks.alibi is not None:
+                slopes.append(w.step.alibi_row(s.index))  # (1, Hq)
             n = s.rows[1] - s.rows[0]
             cu_q.append(cu_q[-1] + n)
             cu_new.append(cu_new[-1] + (n if new else 0))
@@ -202,9 +207,12 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
     q = _host_cat(q_parts, pin=cuda)  # (ΣT, Hq, D)
     k = _host_cat(k_parts, pin=cuda) if k_parts else None  # (ΣT_new, Hkv, D)
     v = _host_cat(v_parts, pin=cuda) if v_parts else None
+    alibi = _host_cat(slopes, pin=cuda) if slopes else None  # (S, Hq) float32
     index = host
     if cuda:
         index, q = host.to(device, non_blocking=True), q.to(device, non_blocking=True)
+        if alibi is not None:
+            alibi = alibi.to(device, non_blocking=True)
         if k is not None:
             k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
     s1 = n_seq + 1
@@ -218,7 +226,9 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
         if k is not None:
             kernels.append_paged(arena.k, arena.v, d_table, d_before, k, v, d_cu_new)
         o, lse = kernels.attention_paged(q, arena.k, arena.v, d_table, d_after, d_cu_q, causal=first.causal,
-                                         scale=first.scale, return_lse=True, host_index=known)
+                                         scale=first.scale, return_lse=True, host_index=known,
+                                         window_size=(masks.left, masks.right), softcap=masks.softcap,
+                                         alibi_slopes=alibi)
     done = None
     if cuda:
         o_host = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)

@@ -9,7 +9,9 @@ packing, checked once when it is built (``SessionStep.single`` / ``SessionStep.p
 
 A single step's q arrives as (1, Hq, n, D) (bhnd) or (1, n, Hq, D) (bnhd) and is held as the view
 (n, Hq, D); its answer goes back as (1, Hq, n, D) in its layout and lse (1, Hq, n). A packed step's
-answer is o (T, Hq, D), lse (Hq, T). What depends on the held sessions (their heads, head dim,
+answer is o (T, Hq, D), lse (Hq, T). The score modifiers (window_size, softcap, alibi_slopes:
+float32 (Hq,) or (S, Hq)) mean what they mean for ``kernels.attention_paged``, each session's rows
+at its last positions. What depends on the held sessions (their heads, head dim,
 dtype, layers, lengths) is checked by ``SessionManager.step``.
 """
 
@@ -23,8 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
+from kernels.masks import check_masks
 from service.core.types import LAYOUTS, Stamps, new_request_id
-from service.errors import BadRequest, InvalidInput
+from service.errors import BadRequest, InvalidInput, from_kernel_error
 
 MAX_HEAD_DIM = 256
 STEP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,6 +70,9 @@ class SessionStep:
     return_lse: bool = False
     end: bool = False
     layout: str | None = None  # "bhnd"/"bnhd": a single step (4-D answer); None: a packed step
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None  # float32 (Hq,) or (S, Hq)
     request_id: str = field(default_factory=new_request_id)
     deadline: float | None = None  # time.monotonic() after which the step must not launch
     arrived: float = field(default_factory=time.monotonic)
@@ -144,8 +151,27 @@ class SessionStep:
         if self.scale is not None and not math.isfinite(self.scale):
             raise BadRequest(f"option 'scale' must be finite, got {self.scale!r}")
         self.causal, self.return_lse, self.end = bool(self.causal), bool(self.return_lse), bool(self.end)
+        try:  # the kernels' own check: the same rules and messages as /attention's
+            self.masks = check_masks(self.window_size, self.softcap, self.alibi_slopes, rows=len(self.sessions),
+                                     heads_q=hq, device=q.device, causal=self.causal, rows_name="S")
+        except kernels.AttentionInputError as exc:
+            raise from_kernel_error(exc) from None
 
     # ---- reading ------------------------------------------------------------------------------
+
+    @property
+    def mask_key(self) -> tuple:
+        """What of the score modifiers a paged launch shares: the window, the cap and whether slopes
+        are given (each sequence's slopes travel as its own row)."""
+        m = self.masks
+        return (m.left, m.right, m.softcap, m.alibi is not None)
+
+    def alibi_row(self, index: int) -> torch.Tensor | None:
+        """float32 (1, Hq): the slopes of the step's session ``index``, or None."""
+        m = self.masks
+        if m.alibi is None:
+            return None
+        return m.alibi[index : index + 1] if m.alibi.shape[0] > 1 else m.alibi
 
     @property
     def heads_q(self) -> int:

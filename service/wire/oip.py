@@ -8,8 +8,9 @@ once: the server's and the models' metadata, which inputs and parameters a model
 internal request built from them, the choice of attention or layer, which outputs are sent, and
 every message of a refused call.
 
-Models: ``attention`` (inputs q, k, v FP16/BF16/FP32 [B, H, N, D], optional kv_lengths INT32 [B];
-parameters causal, scale, return_lse, kernel; outputs o and, when asked, lse) and one model per
+Models: ``attention`` (inputs q, k, v FP16/BF16/FP32 [B, H, N, D], optional kv_lengths INT32 [B]
+and alibi_slopes FP32 [Hq] or [B, Hq]; parameters causal, scale, return_lse, kernel, window_size
+("L,R"), softcap; outputs o and, when asked, lse) and one model per
 loaded layer (input x [B, N, hidden], optional positions INT64 [B, N] and kv_lengths; parameter
 causal; output y). Unknown parameters are ignored, as in the protocol; an unknown input or output
 is refused, as Triton refuses one.
@@ -113,6 +114,7 @@ ATTENTION_MODEL = Model(
     inputs=(
         *(TensorSpec(n, "FP16", (ANY,) * 4) for n in ("q", "k", "v")),
         TensorSpec("kv_lengths", "INT32", (ANY,), optional=True),
+        TensorSpec("alibi_slopes", "FP32", (ANY, ANY), optional=True),  # [Hq] or [B, Hq]
     ),
     outputs=(TensorSpec("o", "FP16", (ANY,) * 4), TensorSpec("lse", "FP32", (ANY,) * 3)),
     parameters={
@@ -120,6 +122,8 @@ ATTENTION_MODEL = Model(
         "scale": "float",
         "return_lse": "bool",
         "kernel": "string",
+        "window_size": "string 'L,R' (sliding window in keys, -1: unbounded; default unbounded)",
+        "softcap": "float (soft cap of the scores, > 0; default 0: off)",
         "sequence_id": "int or string (a session step; 0 or '' none)",
         "sequence_start": "bool (create the session: k, v required)",
         "sequence_end": "bool (release the session after the step)",
@@ -128,7 +132,8 @@ ATTENTION_MODEL = Model(
         "datatypes": "q, k, v: FP16, BF16 or FP32 (o follows q)",
     },
 )
-ATTENTION_PARAMETERS = ("causal", "scale", "return_lse", "kernel")
+ATTENTION_PARAMETERS = ("causal", "scale", "return_lse", "kernel", "window_size", "softcap")
+STEP_PARAMETERS = ("causal", "scale", "return_lse", "window_size", "softcap")  # a sequence step's
 SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "layers", "layer")
 LAYER_PARAMETERS = ("causal",)
 
@@ -266,7 +271,8 @@ def build_call(
     opts["return_lse"] = "lse" in outputs
     check_dims(tensors, ("q", "k", "v"), 4, "bhnd")
     request = AttentionRequest(q=tensors["q"], k=tensors["k"], v=tensors["v"], kv_lengths=kv_lengths,
-                               request_id=request_id, deadline=deadline, arrived=arrived, **opts)  # fmt: skip
+                               alibi_slopes=tensors.get("alibi_slopes"), request_id=request_id,
+                               deadline=deadline, arrived=arrived, **opts)  # fmt: skip
     return Call(model, request, outputs)
 
 
@@ -298,12 +304,12 @@ def sequence_call(model: Model, session: str, tensors: Mapping[str, torch.Tensor
         raise BadRequest("a sequence step takes no kv_lengths: its keys are the session's")
     flags = {name: parse_bool(name, parameters[name], "parameter") if name in parameters else False
              for name in ("sequence_start", "sequence_end")}
-    opts = parse_options({k: v for k, v in parameters.items() if k in ("causal", "scale", "return_lse")},
-                         "parameter")
-    outputs = select_outputs(model, requested, opts.get("return_lse", False))
+    opts = parse_options({k: v for k, v in parameters.items() if k in STEP_PARAMETERS}, "parameter")
+    outputs = select_outputs(model, requested, opts.pop("return_lse", False))
+    opts["causal"] = opts.get("causal", True)
     step = SessionStep.single(
         session, tensors["q"], tensors.get("k"), tensors.get("v"), layer=_int_parameter(parameters, "layer", 0),
-        causal=opts.get("causal", True), scale=opts.get("scale"), return_lse="lse" in outputs,
+        alibi_slopes=tensors.get("alibi_slopes"), **opts, return_lse="lse" in outputs,
         end=flags["sequence_end"], request_id=request_id, deadline=deadline,
         arrived=time.monotonic() if arrived is None else arrived,
     )

@@ -18,6 +18,7 @@ from service.core.types import LAYOUTS
 from service.errors import BadRequest
 
 _TRUE = ("true", "1", "yes", "on")
+FAR_WINDOW = 1 << 30  # keys: beyond any sequence (the kernels' own "unbounded" bound)
 _FALSE = ("false", "0", "no", "off")
 
 
@@ -50,6 +51,42 @@ def parse_scale(name: str, value: Any, what: str = "option") -> float | None:
     return scale
 
 
+def parse_window(name: str, value: Any, what: str = "option") -> tuple[int, int]:
+    """flash-attn's (left, right) window: a list [L, R] of ints, or a string "L,R" (brackets or
+    parentheses around it allowed); each side >= -1, -1 meaning unbounded. None or "" is (-1, -1).
+    A side of FAR_WINDOW or more reaches past any sequence the service holds: it becomes -1, so
+    that no kernel argument overflows."""
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return (-1, -1)
+    sides: Any = value
+    if isinstance(value, str):
+        text = value.strip().removeprefix("[").removeprefix("(").removesuffix("]").removesuffix(")")
+        try:
+            sides = [int(x) for x in text.split(",")]
+        except ValueError:
+            sides = None
+    elif isinstance(value, tuple):
+        sides = list(value)
+    if (not isinstance(sides, list) or len(sides) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in sides)):
+        raise BadRequest(f"{what} {name!r} must be two integers left,right (e.g. \"128,0\"; -1: unbounded), "
+                         f"got {value!r}")
+    if sides[0] < -1 or sides[1] < -1:
+        raise BadRequest(f"{what} {name!r} sides must be >= -1 (-1: unbounded), got {value!r}")
+    left, right = (-1 if side >= FAR_WINDOW else side for side in sides)
+    return (left, right)
+
+
+def parse_softcap(name: str, value: Any, what: str = "option") -> float:
+    """A finite number >= 0 or a numeric string; 0, None or "" is off."""
+    cap = parse_scale(name, value, what)
+    if cap is None:
+        return 0.0
+    if cap < 0:
+        raise BadRequest(f"{what} {name!r} must be >= 0 (0: off), got {value!r}")
+    return cap
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any, str], str]:
     def parse(name: str, value: Any, what: str = "option") -> str:
         if not isinstance(value, str) or value not in choices:
@@ -65,6 +102,8 @@ PARSERS: dict[str, Callable[[str, Any, str], Any]] = {
     "scale": parse_scale,
     "layout": _choice(LAYOUTS),
     "kernel": _choice(kernels.KERNELS),
+    "window_size": parse_window,
+    "softcap": parse_softcap,
 }
 
 

@@ -1,6 +1,6 @@
 """Score modifiers (window_size, softcap, alibi_slopes; kernels/masks.py) through every entry point.
 
-Each answer is checked against ``masked64``, the modifiers written out here in float64 from
+Each answer is checked against ``tests.helpers.masked64``, the modifiers written out in float64 from
 flash-attn's definitions (not kernels.masks), with STYLE item 11's budget: at most 2x the error of
 the same formula in the inputs' dtype, plus one output rounding. On the CPU the "flash" kernels
 run under TRITON_INTERPRET=1 (conftest sets it) at small sizes; the ``gpu`` tests add bfloat16
@@ -8,8 +8,6 @@ and the Hopper kernels' refusals.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -27,40 +25,10 @@ from kernels import (
     dispatch,
 )
 from kernels.spec import AttnSpec
+from tests.helpers import masked64
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
 HAS_CUDA = torch.cuda.is_available()
-
-
-def masked64(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi=None, dtype=torch.float64):
-    """(o, lse) of q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) computed in ``dtype``, straight from
-    flash-attn's definitions: i_al = i + Nk - Nq; s = softcap·tanh(scale·q·k / softcap) - slope·|i_al - j|;
-    key j visible iff causal j <= i_al and i_al - left <= j <= i_al + right (-1: unbounded).
-    alibi: (Hq,) or (B, Hq). Rows that see no key: o = 0, lse = -inf."""
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    i_al = torch.arange(nq)[:, None] + (nk - nq)
-    j = torch.arange(nk)[None, :]
-    if alibi is not None:
-        slopes = alibi.to(dtype).reshape(-1, hq)[:, :, None, None]
-        s = s - slopes * (i_al - j).abs().to(dtype)
-    ok = torch.ones(nq, nk, dtype=torch.bool)
-    if causal:
-        ok &= j <= i_al
-    if window[0] >= 0:
-        ok &= j >= i_al - window[0]
-    if window[1] >= 0:
-        ok &= j <= i_al + window[1]
-    s = s.masked_fill(~ok, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return (p @ v), lse
 
 
 def check(o, lse, q, k, v, **opts):

@@ -579,7 +579,7 @@ class FakeLayer:
     def to(self, device):
         return self
 
-    def check_call(self, x, positions=None, kv_lengths=None):
+    def check_call(self, x, positions=None, kv_lengths=None, *, causal=True):
         from service.layers import check_call
 
         check_call(self.info, None, x, positions, kv_lengths)

@@ -39,6 +39,66 @@ def qkv(b=1, hq=2, hkv=2, nq=8, nk=8, d=16, dtype=torch.float32, seed=0):
     )
 
 
+def test_masked_requests_batch_only_with_their_own_and_answer_as_alone():
+    """Score modifiers are part of the launch key (a plain request never shares a masked launch,
+    nor one window another's), per-request ALiBi slopes stack to one row per batch element, and a
+    batched answer is bit for bit the answer alone."""
+    slopes = torch.tensor([0.5, 0.125, 0.25, 0.0625])
+    opts = [
+        {"causal": True, "window_size": (3, -1)},
+        {"causal": True, "window_size": (5, -1)},
+        {"causal": True, "window_size": (3, -1), "softcap": 5.0},
+        {"causal": True, "alibi_slopes": slopes},
+        {"causal": True, "alibi_slopes": torch.stack([slopes * 2, slopes])},  # (B, Hq)
+        {"window_size": (2, 1), "softcap": 3.0, "alibi_slopes": slopes.flip(0)},
+        {"causal": True},
+    ]
+
+    def request(i: int, seed: int) -> AttentionRequest:
+        q, k, v = qkv(b=2, hq=4, hkv=2, nq=7, nk=12, d=16, seed=seed)
+        return AttentionRequest(q=q, k=k, v=v, return_lse=True, **opts[i])
+
+    keys = {request(i, 0).launch_key for i in range(len(opts))}
+    assert len(keys) == len(opts) - 1  # the two slope requests share a key: slopes are rows, not keys
+    assert request(3, 0).launch_key == request(4, 0).launch_key
+
+    async def main():
+        engine = Engine(cpu_settings(max_queue_delay_ms=50.0))
+        await engine.start()
+        try:
+            alone = [await engine.attend(request(i, i)) for i in range(len(opts))]
+            blocker = asyncio.create_task(engine.attend(AttentionRequest(*qkv(nq=512, nk=512, d=64))))
+            await asyncio.sleep(0)  # the blocker launches first: the rest queue behind it and batch
+            together = await asyncio.gather(*(engine.attend(request(i, i)) for i in range(len(opts))),
+                                            *(engine.attend(request(i, 100 + i)) for i in range(len(opts))))
+            await blocker
+            return alone, together
+        finally:
+            await engine.drain()
+
+    alone, together = asyncio.run(main())
+    assert together[3].stamps == together[4].stamps == together[10].stamps  # one launch: [Hq] and [B, Hq] rows
+    for i, res in enumerate(alone):
+        q, k, v = qkv(b=2, hq=4, hkv=2, nq=7, nk=12, d=16, seed=i)
+        o, lse = kernels.attention(q, k, v, return_lse=True, **opts[i])
+        assert torch.equal(res.o, o) and torch.equal(res.lse, lse), opts[i]
+        assert torch.equal(together[i].o, res.o) and torch.equal(together[i].lse, res.lse), opts[i]
+
+
+def test_masked_call_of_a_kernel_without_modifiers_is_a_422_saying_why():
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        try:
+            with pytest.raises(errors.InvalidInput, match=r"kernel 'flash_v1' cannot run this call "
+                               r"\(window_size=\(3, -1\)\): flash_v1 takes no window_size"):
+                await engine.attend(AttentionRequest(*qkv(), causal=True, window_size=(3, 0), kernel="flash_v1"))
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_ready_only_after_start_and_not_while_draining():
     async def main():
         engine = Engine(cpu_settings())
@@ -446,6 +506,9 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers(monke
         (1, 8, 1, 1, 1025, 128, torch.float16, {"kv_lengths": torch.tensor([1000], dtype=torch.int64)}),
         (1, 4, 4, 97, 97, 111, torch.float32, {"scale": 0.3, "layout": "bnhd"}),
         (1, 2, 1, 1, 17, 256, torch.float16, {"causal": True, "return_lse": True}),
+        # score modifiers: their graph is not a plain one's, and each replay reads its own slopes
+        (2, 4, 2, 33, 70, 64, torch.float16, {"causal": True, "window_size": (9, -1), "softcap": 20.0,
+                                               "alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}),
     ]
 
     def request(case, seed: int) -> AttentionRequest:
@@ -513,7 +576,7 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers(monke
         scale = other.scale if other.scale is not None else other.q.shape[-1] ** -0.5
         ref, _ = reference_attention(
             *(t.double() for t in (other.q, other.k, other.v)), causal=other.causal, scale=scale,
-            kv_lengths=other.kv_lengths,
+            kv_lengths=other.kv_lengths, masks=other.spec.masks,
         )
         if other.layout == "bnhd":
             ref = ref.transpose(1, 2)

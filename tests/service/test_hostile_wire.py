@@ -277,6 +277,61 @@ def test_a_file_the_safetensors_library_writes_is_served(http):
     assert r.status_code == 200, r.text
 
 
+# ---------------------------------------------------------------- score modifiers, hostile values
+
+HOSTILE_WINDOWS = [[2**62, 0], [-2**62, 0], [2**63 - 1, 2**63 - 1], [1, 2, 3], [0]]
+HOSTILE_CAPS = [float("nan"), float("-inf"), float("inf"), -1e-300, 1e308]
+
+
+def test_hostile_window_softcap_and_slopes_are_refused_or_served_on_every_transport(http, native, oip):
+    """Windows and caps at the ends of their types, slopes of every wrong dtype and shape (an
+    overflowing one included): a 4xx / INVALID_ARGUMENT naming the option, or (a huge window or
+    cap, which bounds nothing) an answer; never a server error."""
+    t = qkv()
+    msg = {n: grpc_tensor(x) for n, x in t.items()}
+    for w in HOSTILE_WINDOWS:
+        ok = len(w) == 2 and min(w) >= -1
+        r = http.post("/attention", params={"window_size": ",".join(map(str, w))},
+                      json={n: x.tolist() for n, x in t.items()})
+        if ok:
+            assert r.status_code == 200, r.text
+        else:
+            assert "window_size" in message(assert_refused(r, {400}))
+        code = grpc_status(native.Attend, apb.AttendRequest(**msg, window_size=w))
+        assert code == (grpc.StatusCode.OK if ok else grpc.StatusCode.INVALID_ARGUMENT), w
+    for cap in HOSTILE_CAPS:
+        ok = cap == 1e308
+        r = http.post("/attention", json={**{n: x.tolist() for n, x in t.items()}, "softcap": repr(cap)})
+        if ok:
+            assert r.status_code == 200, r.text
+        else:
+            assert "softcap" in message(assert_refused(r, {400}))
+        code = grpc_status(native.Attend, apb.AttendRequest(**msg, softcap=cap))
+        assert code == (grpc.StatusCode.OK if ok else grpc.StatusCode.INVALID_ARGUMENT), cap
+        params = {"softcap": tpb.InferParameter(double_param=cap)}
+        inputs = [tpb.ModelInferRequest.InferInputTensor(name=n, datatype="FP32", shape=list(x.shape))
+                  for n, x in t.items()]
+        raw = [x.numpy().tobytes() for x in t.values()]
+        code = grpc_status(oip.ModelInfer, tpb.ModelInferRequest(model_name="attention", inputs=inputs,
+                                                                  raw_input_contents=raw, parameters=params))
+        assert code == (grpc.StatusCode.OK if ok else grpc.StatusCode.INVALID_ARGUMENT), cap
+    bad_slopes = [
+        apb.Tensor(shape=[2], dtype=apb.INT64, data=b"\0" * 16),  # not float32
+        apb.Tensor(shape=[2], dtype=apb.FLOAT16, data=b"\0" * 4),
+        apb.Tensor(shape=[3], dtype=apb.FLOAT32, data=b"\0" * 12),  # Hq is 2
+        apb.Tensor(shape=[1, 1, 2], dtype=apb.FLOAT32, data=b"\0" * 8),
+        apb.Tensor(shape=[2**62, 4, 0], dtype=apb.FLOAT32, data=b""),  # overflows once the 0 is left out
+        apb.Tensor(shape=[2], dtype=apb.FLOAT32, data=b"\0" * 7),  # bytes that do not fit the shape
+    ]
+    for slopes in bad_slopes:
+        assert grpc_status(native.Attend, apb.AttendRequest(**msg, alibi_slopes=slopes)) in GRPC_REFUSALS
+    for doc in ({"alibi_slopes": [[0.5, "x"]]}, {"alibi_slopes": [0.5]}, {"alibi_slopes": True},
+                {"alibi_slopes": {"shape": [2], "dtype": "int32", "data": [1, 2]}}):
+        r = http.post("/attention", json={**{n: x.tolist() for n, x in t.items()}, **doc})
+        assert "alibi_slopes" in message(assert_refused(r, {400, 422})), doc
+    assert_serving(http, native)
+
+
 # ---------------------------------------------------------------- 3. numbers only in JSON tensors
 
 BAD_LEAVES = [True, False, None, "1.0", {"a": 1}]

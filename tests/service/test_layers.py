@@ -72,8 +72,9 @@ def rotate_pairs(t: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
 
 
 def reference_block(w, x, *, heads, kv_heads, head_dim, inv_freq=None, positions=None, causal=False,
-                    kv_lengths=None, dtype=torch.float64) -> torch.Tensor:
-    """y = o(softmax(q kᵀ/√D + mask) v) written out: x (B, N, hidden) -> (B, N, hidden) in ``dtype``."""
+                    kv_lengths=None, sliding_window=None, dtype=torch.float64) -> torch.Tensor:
+    """y = o(softmax(q kᵀ/√D + mask) v) written out: x (B, N, hidden) -> (B, N, hidden) in ``dtype``;
+    ``sliding_window`` W: query i sees keys i - W < j (HF's sliding_window_overlay)."""
     w = {k: None if t is None else t.to(dtype) for k, t in w.items()}
     x = x.to(dtype)
     bsz, n, _ = x.shape
@@ -92,6 +93,8 @@ def reference_block(w, x, *, heads, kv_heads, head_dim, inv_freq=None, positions
     visible = torch.ones(bsz, 1, n, n, dtype=torch.bool)
     if causal:
         visible &= torch.ones(n, n, dtype=torch.bool).tril()
+    if sliding_window is not None:
+        visible &= torch.arange(n)[None, :] > torch.arange(n)[:, None] - sliding_window
     if kv_lengths is not None:
         visible &= (torch.arange(n)[None, :] < kv_lengths[:, None])[:, None, None, :]
     s = s.masked_fill(~visible, float("-inf"))
@@ -113,7 +116,8 @@ def assert_within_budget(y: torch.Tensor, ref64: torch.Tensor, plain: torch.Tens
 def check(dev, weights, x, *, inv_freq=None, kernel="reference", **opts):
     """Run the layer and compare with the float64 reference and the plain-PyTorch budget."""
     info = dev.info
-    shape = dict(heads=info.num_heads, kv_heads=info.num_kv_heads, head_dim=info.head_dim, inv_freq=inv_freq)
+    shape = dict(heads=info.num_heads, kv_heads=info.num_kv_heads, head_dim=info.head_dim, inv_freq=inv_freq,
+                 sliding_window=dev.sliding_window)
     y = dev.forward(x, kernel=kernel, **opts)
     assert y.shape == x.shape and y.dtype == info.dtype
     ref = reference_block(weights, x, **shape, **opts)
@@ -431,7 +435,7 @@ def llama_dev(tmp_path):
     (dict(kv_lengths=torch.tensor([4])), r"kv_lengths must have shape \[B\] = \[2\]"),
     (dict(kv_lengths=torch.tensor([4.0, 4.0])), r"kv_lengths must be int32 or int64"),
     (dict(kv_lengths=torch.tensor([5, 4])), r"kv_lengths must lie in \[0, 4\]"),  # the kernel's own check
-    (dict(x=torch.randn(1, 17, 64)), r"sliding-window attention over 16 tokens.*N=17"),
+    (dict(x=torch.randn(1, 17, 64)), r"causal sliding-window attention over 16 tokens.*N=17.*causal=true"),
 ])
 def test_invalid_requests(llama_dev, kwargs, message):
     kwargs = {"x": torch.randn(2, 4, 64), **kwargs}
@@ -442,6 +446,27 @@ def test_invalid_requests(llama_dev, kwargs, message):
 def test_sliding_window_up_to_window_is_served(llama_dev):
     assert llama_dev.sliding_window == 16
     assert llama_dev.forward(torch.randn(1, 16, 64), causal=True).shape == (1, 16, 64)
+    assert llama_dev.forward(torch.randn(1, 16, 64), causal=False).shape == (1, 16, 64)
+
+
+def _mistral(tmp_path, window=16):
+    tensors = write_llama(tmp_path / "ckpt", config_extra={"model_type": "mistral", "sliding_window": window,
+                                                            "architectures": ["MistralForCausalLM"]})
+    return tensors, load_layer("mistral0", tmp_path / "ckpt", 0)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+@pytest.mark.parametrize("n", [16, 17, 40])
+def test_sliding_window_longer_than_the_window_matches_float64(tmp_path, n, kernel):
+    """N > W, causal: a query sees itself and the W - 1 keys before it (window_size (W - 1, 0))."""
+    tensors, layer = _mistral(tmp_path)
+    dev = layer.to("cpu")
+    assert layers_mod.layer.window_of(16, True) == (15, -1)
+    x = torch.randn(2, n, 64, generator=torch.Generator().manual_seed(n))
+    check(dev, block(tensors, 0), x, inv_freq=inv_freq_of(10000.0, 8), causal=True, kernel=kernel)
+    lengths = torch.tensor([n, n - 3], dtype=torch.int32)
+    check(dev, block(tensors, 0), x, inv_freq=inv_freq_of(10000.0, 8), causal=True, kernel=kernel,
+          kv_lengths=lengths)
 
 
 # ---------------------------------------------------------------- against transformers' own modules
@@ -502,6 +527,32 @@ def test_llama_matches_transformers(tmp_path, hf, cls_name, case):
         cos_sin = model.model.rotary_emb(x, positions)
         ref = model.model.layers[1].self_attn(x, position_embeddings=cos_sin,
                                               attention_mask=causal.expand(2, 1, n, n))[0]
+    y = dev.forward(x, causal=True, positions=positions)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path, hf):
+    """N = 40 > sliding_window = 16: the layer equals MistralAttention under transformers' own
+    sliding-window causal mask (``masking_utils.create_sliding_window_causal_mask``)."""
+    from transformers import masking_utils
+
+    write_llama(tmp_path / "ckpt", config_extra={"model_type": "mistral", "sliding_window": 16,
+                                                  "architectures": ["MistralForCausalLM"]})
+    model = _hf_model(hf, tmp_path / "ckpt", "MistralForCausalLM")
+    dev = load_layer("dec", tmp_path / "ckpt", 1).to("cpu")
+    assert dev.sliding_window == 16
+    n = 40
+    x = torch.randn(2, n, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    positions = torch.arange(n).expand(2, n)
+    mask = masking_utils.create_sliding_window_causal_mask(
+        config=model.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions,
+        allow_is_causal_skip=False)
+    if mask.dtype == torch.bool:  # an eager mask is additive
+        mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    assert mask[0, 0, 39, 23] < -1e300 and mask[0, 0, 39, 24] == 0  # itself and the W - 1 keys before
+    with torch.no_grad():
+        cos_sin = model.model.rotary_emb(x, positions)
+        ref = model.model.layers[1].self_attn(x, position_embeddings=cos_sin, attention_mask=mask)[0]
     y = dev.forward(x, causal=True, positions=positions)
     torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5)
 

@@ -561,10 +561,11 @@ def test_declared_bytes_are_the_tensors_bytes():
 
     q, k, v = random_qkv((1, 8, 8, 128, 128, 64), torch.float16, 0)
     msg = pb.AttendRequest(q=tensor_to_pb(q), k=tensor_to_pb(k), v=tensor_to_pb(v))
-    assert declared_bytes(msg) == 3 * q.numel() * 2 + 4  # + the unset kv_lengths: shape [], one element
+    # + the unset kv_lengths and alibi_slopes: shape [], one element each
+    assert declared_bytes(msg) == 3 * q.numel() * 2 + 2 * 4
     assert declared_bytes(msg) < OFFLOAD_BYTES
     big = pb.SessionAttendRequest(sessions=["s"], q=tensor_to_pb(torch.zeros(600, 32, 128)))
-    assert declared_bytes(big) == 600 * 32 * 128 * 4 + 3 * 4 > OFFLOAD_BYTES
+    assert declared_bytes(big) == 600 * 32 * 128 * 4 + 4 * 4 > OFFLOAD_BYTES  # unset k, v, q_lengths, alibi_slopes
     req = tpb.ModelInferRequest(model_name="attention")
     req.inputs.add(name="q", datatype="FP16", shape=[1, 2, 3, 4])
     req.inputs.add(name="k", datatype="FP32", shape=[1, 2, 3, 4])

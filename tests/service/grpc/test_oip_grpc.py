@@ -88,7 +88,7 @@ def test_health_and_metadata(client):
     assert not client.is_model_ready("nope", headers=HEADERS)
     assert client.get_server_metadata(headers=HEADERS).name == "attnserve"
     meta = client.get_model_metadata("attention", headers=HEADERS)
-    assert [i.name for i in meta.inputs] == ["q", "k", "v", "kv_lengths"]
+    assert [i.name for i in meta.inputs] == ["q", "k", "v", "kv_lengths", "alibi_slopes"]
     assert [o.name for o in meta.outputs] == ["o", "lse"]
     layer = client.get_model_metadata("bert0", headers=HEADERS, as_json=True)
     assert layer["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": ["-1", "-1", "40"]}

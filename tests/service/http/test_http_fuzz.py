@@ -67,7 +67,7 @@ def safetensors_files(draw) -> bytes:
     data = b""
     names = draw(
         st.lists(
-            st.sampled_from(["q", "k", "v", "kv_lengths", "x", "positions", "casual"]),
+            st.sampled_from(["q", "k", "v", "kv_lengths", "x", "positions", "casual", "alibi_slopes"]),
             min_size=0,
             max_size=4,
             unique=True,
@@ -84,8 +84,10 @@ def safetensors_files(draw) -> bytes:
         data += draw(st.binary(min_size=n, max_size=n))
     meta = draw(
         st.dictionaries(
-            st.sampled_from(["causal", "scale", "layout", "return_lse", "kernel", "format", "x"]),
-            st.sampled_from(["true", "false", "0.5", "bnhd", "bhnd", "flash", "nan", ""]),
+            st.sampled_from(["causal", "scale", "layout", "return_lse", "kernel", "format", "x", "window_size",
+                             "softcap"]),
+            st.sampled_from(["true", "false", "0.5", "bnhd", "bhnd", "flash", "nan", "", "3,0", "-2,0", "1,2,3",
+                             "-1", "1e309"]),
             max_size=3,
         )
     )

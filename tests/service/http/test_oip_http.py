@@ -62,7 +62,7 @@ def test_server_and_model_metadata(client, server):
     assert client.is_model_ready("attention") and client.is_model_ready("tiny")
     assert not client.is_model_ready("nope")
     m = client.get_model_metadata("attention")
-    assert [i["name"] for i in m["inputs"]] == ["q", "k", "v", "kv_lengths"]
+    assert [i["name"] for i in m["inputs"]] == ["q", "k", "v", "kv_lengths", "alibi_slopes"]
     assert [o["name"] for o in m["outputs"]] == ["o", "lse"]
     m = client.get_model_metadata("tiny")
     assert m["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [-1, -1, 40]}
