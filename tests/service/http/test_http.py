@@ -678,8 +678,10 @@ def _pending(url):
 
 
 def test_queue_full_429(guarded):
-    q = torch.randn(1, 16, 2048, 32, dtype=torch.float16)  # ~1 s on a CPU; 2 MiB body
-    k, v = torch.randn(1, 1, 2048, 32, dtype=torch.float16), torch.randn(1, 1, 2048, 32, dtype=torch.float16)
+    # 2.5 MiB of body for 17 G multiply-adds: seconds on a CPU, so the second request surely finds
+    # the queue held even on a loaded machine (the server admits one)
+    q = torch.randn(1, 32, 4096, 8, dtype=torch.float16)
+    k, v = torch.randn(1, 1, 16384, 8, dtype=torch.float16), torch.randn(1, 1, 16384, 8, dtype=torch.float16)
     headers = {"Content-Type": "application/x-safetensors", "X-API-Key": API_KEY}
     slow_result: dict = {}
 
