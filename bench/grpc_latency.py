@@ -3,6 +3,8 @@
     python -m bench.grpc_latency                          # starts `python -m service` itself (--device auto)
     python -m bench.grpc_latency --target HOST:8001       # against a running server (same machine for (1))
     python -m bench.grpc_latency --iters 2000 --concurrency 16 --stream-calls 20000
+    python -m bench.grpc_latency --device cpu --shape 1x1x16x16 --dtype float32 --rows attend,pingpong
+    python -m bench.grpc_latency --server sync ...        # the sync-server experiment (bench/grpc_sync_server.py)
     bash bench/gpu.sh service                             # with the engine and HTTP benchmarks, into reports/service/
 
 Rows (1x8x128x64 fp16 q/k/v by default, 384 KiB per request):
@@ -13,6 +15,8 @@ Rows (1x8x128x64 fp16 q/k/v by default, 384 KiB per request):
   Attend+client   the same through GrpcAttentionClient (tensor <-> message conversion included).
   ModelInfer      Open Inference Protocol ModelInfer (our inference stubs), one in flight.
   Attend xC       unary, C threads on one channel: throughput.
+  AttendStream 1  one open AttendStream, one call in flight (send, wait for its answer, send the
+                  next): p50 and the p50 added above the kernel.
   AttendStream    one bidirectional stream carrying --stream-calls calls: throughput (the server
                   runs up to 64 of a stream's calls at once).
   AttendStream xS S streams at once: throughput.
@@ -23,7 +27,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,6 +48,7 @@ from service.wire import tensors as codec
 from service.wire.tensors import ServerTiming
 
 ROOT = Path(__file__).resolve().parent.parent
+ROWS = ("attend", "client", "oip", "threads", "pingpong", "stream", "streams")
 OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
@@ -49,10 +58,52 @@ def pct(xs: list[float], p: float) -> float:
 
 
 @contextlib.contextmanager
-def local_server(device: str, shape: str):
+def local_server(device: str, shape: str, dtype: str):
     """``python -m service`` on free ports, warmed for ``shape``; yields its gRPC target once ready."""
-    with bench_server("--device", device, "--warmup-shapes", shape, "--log-level", "warning") as s:
+    with bench_server("--device", device, "--warmup-shapes", shape, "--warmup-dtypes", dtype,
+                      "--log-level", "warning") as s:
         yield s.grpc_target
+
+
+@contextlib.contextmanager
+def sync_server(device: str, shape: str, dtype: str):
+    """bench/grpc_sync_server.py on a free port (the sync-server experiment); yields its target."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_sync_server", "--host", "127.0.0.1",
+                             "--grpc-port", str(port), "--device", device, "--warmup-shapes", shape,
+                             "--warmup-dtypes", dtype, "--log-level", "warning"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the sync server did not start ({proc.wait()})")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def stream_pingpong(stub, msg, iters: int, warmup: int) -> list[float]:
+    """Seconds per call on one open AttendStream with one call in flight."""
+    sends: queue.Queue = queue.Queue()
+
+    def requests():
+        while (item := sends.get()) is not None:
+            yield item
+
+    answers = stub.AttendStream(requests(), timeout=600)
+    out = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        sends.put(msg)
+        next(answers)
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    sends.put(None)
+    for _ in answers:
+        pass
+    return out
 
 
 def kernel_p50(q, k, v, device: str, iters: int) -> float:
@@ -139,6 +190,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8, help="threads of the 'Attend xC' row")
     ap.add_argument("--streams", type=int, default=4, help="streams of the 'AttendStream xS' row")
     ap.add_argument("--stream-calls", type=int, default=5000)
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help=f"which rows, comma-separated, of {','.join(ROWS)} (the kernel row always)")
+    ap.add_argument("--server", default="aio", choices=["aio", "sync"],
+                    help="the server started here: the service (aio), or the sync-server experiment "
+                         "(bench/grpc_sync_server.py: Attend and AttendStream only)")
     args = ap.parse_args()
 
     shape = [int(x) for x in args.shape.split("x")]
@@ -147,8 +203,16 @@ def main() -> None:
     stubs = attention_stubs()
     msg = stubs.attention_pb2.AttendRequest(q=tensor_to_pb(q), k=tensor_to_pb(k), v=tensor_to_pb(v))
 
-    server = contextlib.nullcontext(args.target) if args.target else local_server(
-        "auto" if args.device.startswith("cuda") else args.device, args.shape)
+    wanted = set(args.rows.split(","))
+    if unknown := wanted - set(ROWS):
+        ap.error(f"--rows: unknown {', '.join(sorted(unknown))}")
+    server_device = "auto" if args.device.startswith("cuda") else args.device
+    if args.target:
+        server = contextlib.nullcontext(args.target)
+    elif args.server == "sync":
+        server = sync_server(server_device if server_device != "auto" else "cuda", args.shape, args.dtype)
+    else:
+        server = local_server(server_device, args.shape, args.dtype)
     with server as target, grpc.insecure_channel(target, options=OPTIONS) as ch, \
             GrpcAttentionClient(target, timeout=600) as client:
         stub = stubs.attention_pb2_grpc.AttentionServiceStub(ch)
@@ -166,21 +230,28 @@ def main() -> None:
                     for phase, ms in ServerTiming.parse(value).items():
                         phases.setdefault(phase, []).append(ms)
 
-        for name, call in (("Attend", attend),
-                           ("Attend+client", lambda: client.attention(q, k, v)),
-                           ("ModelInfer", lambda: oip.ModelInfer(oip_req, timeout=60))):
-            rows.append((name, timed(call, args.iters, args.warmup), None))
-        per_thread = max(1, args.iters // args.concurrency)
-        rows.append((f"Attend x{args.concurrency}", None,
-                     threaded_throughput(lambda: stub.Attend(msg, timeout=60), args.concurrency, per_thread)))
-        stream_throughput(stub, msg, 1, args.warmup)
-        rows.append(("AttendStream", None, stream_throughput(stub, msg, 1, args.stream_calls)))
-        rows.append((f"AttendStream x{args.streams}", None,
-                     stream_throughput(stub, msg, args.streams, args.stream_calls)))
+        for key, name, call in (("attend", "Attend", attend),
+                                ("client", "Attend+client", lambda: client.attention(q, k, v)),
+                                ("oip", "ModelInfer", lambda: oip.ModelInfer(oip_req, timeout=60))):
+            if key in wanted:
+                rows.append((name, timed(call, args.iters, args.warmup), None))
+        if "threads" in wanted:
+            per_thread = max(1, args.iters // args.concurrency)
+            rows.append((f"Attend x{args.concurrency}", None,
+                         threaded_throughput(lambda: stub.Attend(msg, timeout=60), args.concurrency, per_thread)))
+        if "pingpong" in wanted:
+            rows.append(("AttendStream 1", stream_pingpong(stub, msg, args.iters, args.warmup), None))
+        if "stream" in wanted or "streams" in wanted:
+            stream_throughput(stub, msg, 1, args.warmup)
+        if "stream" in wanted:
+            rows.append(("AttendStream", None, stream_throughput(stub, msg, 1, args.stream_calls)))
+        if "streams" in wanted:
+            rows.append((f"AttendStream x{args.streams}", None,
+                         stream_throughput(stub, msg, args.streams, args.stream_calls)))
 
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"\ngRPC latency: {args.shape} {args.dtype}, kernel on {args.device} ({dev}), "
-          f"{os.cpu_count()} CPUs, grpcio {grpc.__version__}\n")
+          f"{os.cpu_count()} CPUs, grpcio {grpc.__version__}, {args.server if not args.target else args.target} server\n")
     print("| path | p50 (µs) | p90 (µs) | p99 (µs) | added p50 over kernel (µs) | calls/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, lat, rate in rows:
@@ -193,7 +264,7 @@ def main() -> None:
             print(f"| {name} | | | | | {rate:.0f} |")
     if phases:
         split = {k: statistics.median(v) for k, v in phases.items()}
-        attend_p50 = statistics.median(rows[1][1]) * 1e3
+        attend_p50 = statistics.median(next(lat for name, lat, _ in rows if name == "Attend")) * 1e3
         print("\nAttend, server p50 ms: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items())
               + f"; outside the handler (grpc, sockets, client) ~{attend_p50 - sum(split.values()):.3f}")
 

@@ -3,8 +3,8 @@ inference.GRPCInferenceService (``oip``), grpc.health.v1.Health and server refle
 ``grpc.aio`` server in the service's event loop, sharing the engine with the HTTP server.
 
 Handlers only convert messages <-> internal requests (``codec``) and await the engine. Every status
-code is set in one place, ``ServiceInterceptor``: around every rpc but reflection's, it checks the
-API key (``authorization: Bearer KEY`` metadata; not for health probes) and ends a call that raised
+code is set in one place, ``ServiceInterceptor``: wrapped once around every method handler but
+reflection's when it is registered (not a per-call grpc.aio interceptor), it checks the API key (``authorization: Bearer KEY`` metadata; not for health probes) and ends a call that raised
 with ``errors.error_status``'s status (API.md §7). ``AttendStream`` and ``ModelStreamInfer`` send
 that same status in-band for a call that failed, so that one bad call does not end a stream that
 carries many.
@@ -13,7 +13,6 @@ carries many.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -108,20 +107,19 @@ async def _parsed_stream(requests):
         i += 1
 
 
-class ServiceInterceptor(grpc.aio.ServerInterceptor):
+class ServiceInterceptor:
     """API key check and ServiceError -> status code, around every unary and bidi-stream handler;
-    counts those RPCs while they run, so that a shutdown can wait for them (``shutdown``)."""
+    counts those RPCs while they run, so that a shutdown can wait for them (``shutdown``).
+
+    Not a ``grpc.aio.ServerInterceptor``: grpc.aio runs those on every call (the handler looked up
+    and wrapped anew each time). ``wrap`` wraps each method handler once, when it is registered
+    (``_Registering``), and whether its method needs a key is decided then too."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.running = 0
         self._idle = asyncio.Event()
         self._idle.set()
-
-    def _started(self, context) -> None:
-        self.running += 1
-        self._idle.clear()
-        context.add_done_callback(self._finished)  # on the RPC's end: its status is on its way
 
     def _finished(self, _context) -> None:
         self.running -= 1
@@ -136,40 +134,43 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             return False
         return True
 
-    def _check_key(self, details: grpc.HandlerCallDetails) -> None:
-        service = details.method.rpartition("/")[0].lstrip("/")  # "/pkg.Service/Method"
-        if not self.settings.api_key or details.method in KEY_EXEMPT_METHODS or service in KEY_EXEMPT_SERVICES:
-            return
-        metadata = {key: value for key, value in (details.invocation_metadata or ())}
+    def _needs_key(self, method: str) -> bool:
+        service = method.rpartition("/")[0].lstrip("/")  # "/pkg.Service/Method"
+        return bool(self.settings.api_key) and method not in KEY_EXEMPT_METHODS \
+            and service not in KEY_EXEMPT_SERVICES
+
+    def _check_key(self, context) -> None:
+        metadata = {key: value for key, value in (context.invocation_metadata() or ())}
         check_api_key(self.settings, metadata.get("authorization"), metadata.get("x-api-key"))
 
-    @contextlib.asynccontextmanager
-    async def _answering(self, details: grpc.HandlerCallDetails, context):
-        """Around one call: counted while it runs, its API key checked, and whatever it raises
-        ended as its status (``errors.abort``); cancellation and an abort already made pass."""
-        self._started(context)
-        try:
-            self._check_key(details)
-            yield
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:
-            await abort(context, exc)
+    def _started(self, context, keyed: bool) -> None:
+        """A call begins: counted until its end (then its status is on its way), its key checked."""
+        self.running += 1
+        self._idle.clear()
+        context.add_done_callback(self._finished)
+        if keyed:
+            self._check_key(context)
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None:
-            return None  # unknown method: grpc answers UNIMPLEMENTED
-        if details.method.rpartition("/")[0].lstrip("/") in REFLECTION_SERVICES:  # "/pkg.Service/Method"
+    def wrap(self, method: str, handler):
+        """``handler`` (of ``method``, "/pkg.Service/Method") answering as described above: the
+        request parsed leniently (``_lenient``), whatever the call raises ended as its status
+        (``errors.abort``); cancellation and an abort already made pass."""
+        if handler is None or method.rpartition("/")[0].lstrip("/") in REFLECTION_SERVICES:
             return handler  # grpc's own servicer, answering its own errors
-        answering = self._answering
+        keyed = self._needs_key(method)
+        started = self._started
 
         if handler.unary_unary is not None:
             behavior = handler.unary_unary
 
             async def unary(request, context):
-                async with answering(details, context):
+                try:
+                    started(context, keyed)
                     return await behavior(await _parsed(request), context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await abort(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(unary, _lenient(handler.request_deserializer),
                                                        handler.response_serializer)
@@ -177,13 +178,48 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             behavior = handler.stream_stream
 
             async def bidi(request_iterator, context):
-                async with answering(details, context):
+                try:
+                    started(context, keyed)
                     async for response in behavior(_parsed_stream(request_iterator), context):
                         yield response
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:
+                    await abort(context, exc)
 
             return grpc.stream_stream_rpc_method_handler(bidi, _lenient(handler.request_deserializer),
                                                          handler.response_serializer)
         return handler  # no unary-stream or stream-unary rpc of ours exists
+
+
+class _WrappedGeneric(grpc.GenericRpcHandler):
+    """A generic handler whose method handlers are ``ServiceInterceptor.wrap``'s, each wrapped on
+    its first call (grpc asks a generic handler only for a method it has no registered handler of)."""
+
+    def __init__(self, inner, rpcs: ServiceInterceptor):
+        self.inner, self.rpcs, self.wrapped = inner, rpcs, {}
+
+    def service(self, details: grpc.HandlerCallDetails):
+        try:
+            return self.wrapped[details.method]
+        except KeyError:
+            handler = self.wrapped[details.method] = self.rpcs.wrap(details.method, self.inner.service(details))
+            return handler
+
+
+class _Registering:
+    """What the generated ``add_*_to_server`` functions are given in place of the server: every
+    method handler they register is ``ServiceInterceptor.wrap``'s, made once here."""
+
+    def __init__(self, server: grpc.aio.Server, rpcs: ServiceInterceptor):
+        self.server, self.rpcs = server, rpcs
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.server.add_generic_rpc_handlers(tuple(_WrappedGeneric(h, self.rpcs) for h in handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.server.add_registered_method_handlers(
+            service, {name: self.rpcs.wrap(f"/{service}/{name}", h) for name, h in handlers.items()})
 
 
 # ---- attention.v1.AttentionService ------------------------------------------------------------
@@ -299,15 +335,15 @@ def create_server(engine, settings: Settings) -> grpc.aio.Server:
     limit = min(settings.max_body_bytes, MAX_MESSAGE_BYTES)
     interceptor = ServiceInterceptor(settings)
     server = grpc.aio.server(
-        interceptors=[interceptor],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
         ],
     )
-    pb_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(engine), server)
-    oip.add_to_server(engine, server)
-    health_pb2_grpc.add_HealthServicer_to_server(EngineHealth(engine), server)
+    ours = _Registering(server, interceptor)
+    pb_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(engine), ours)
+    oip.add_to_server(engine, ours)
+    health_pb2_grpc.add_HealthServicer_to_server(EngineHealth(engine), ours)
     reflection.enable_server_reflection(
         (ATTENTION_SERVICE, oip.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )

@@ -99,13 +99,20 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, shape: list[int], dt
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
+    global _readonly_warned
     view = memoryview(data)
-    if not view.readonly:  # request bodies (bytearray): no warning to silence
+    if not view.readonly or _readonly_warned:  # bytearray bodies, or torch's warning already spent
         return torch.frombuffer(view, dtype=dtype).view(shape)
     with warnings.catch_warnings():  # read-only request bytes: the kernels never write inputs
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(view, dtype=dtype)
+    _readonly_warned = True
     return t.view(shape)
+
+
+# torch warns of a read-only buffer once a process (TORCH_WARN_ONCE): silenced on that first call,
+# later calls skip catch_warnings, a few µs a tensor (and not thread-safe).
+_readonly_warned = False
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
