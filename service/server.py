@@ -176,4 +176,17 @@ def main(settings: Settings, argv: Sequence[str] = ()) -> None:
     )
     if processes > 1:
         sys.exit(supervise(settings, argv, processes))
-    sys.exit(asyncio.run(serve(settings)))
+    sys.exit(_run(serve(settings), settings.uvloop))
+
+
+def _run(main_coroutine, use_uvloop: bool) -> int:
+    """Run the server's coroutine to its exit code on uvloop if asked and installed, else asyncio's loop."""
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            log.info("uvloop is not installed: serving on asyncio's event loop")
+        else:
+            log.info("serving on uvloop %s", uvloop.__version__)
+            return uvloop.run(main_coroutine)
+    return asyncio.run(main_coroutine)
