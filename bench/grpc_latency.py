@@ -251,7 +251,7 @@ def main() -> None:
 
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"\ngRPC latency: {args.shape} {args.dtype}, kernel on {args.device} ({dev}), "
-          f"{os.cpu_count()} CPUs, grpcio {grpc.__version__}, {args.server if not args.target else args.target} server\n")
+          f"{os.cpu_count()} CPUs, grpcio {grpc.__version__}, {args.target or args.server} server\n")
     print("| path | p50 (µs) | p90 (µs) | p99 (µs) | added p50 over kernel (µs) | calls/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, lat, rate in rows:
