@@ -1,5 +1,5 @@
-"""Hugging Face transformers on attnserve sessions: a Llama-family model's ``generate()`` with its
-attention computed, and its KV cache held, by the server.
+"""Hugging Face transformers on attnserve sessions: a Llama-family model's (Mistral's, Qwen2's)
+``generate()`` with its attention computed, and its KV cache held, by the server.
 
     from service.client import AttentionClient
     from service.client.transformers import SessionCache, use_attnserve
@@ -15,9 +15,16 @@ queries in one packed step of every row (one call per layer per forward), so the
 them and answers causal attention over everything the row holds. Left-padded batches work: pad
 positions, read from the 4-D mask, never enter a session, and their outputs are zeros.
 
+Sliding-window layers (Mistral's ``sliding_window``; Qwen2's ``use_sliding_window``, whose
+``layer_types`` mix ``"sliding_attention"`` and ``"full_attention"``) step with
+``window_size=(W - 1, 0)``: a query sees itself and the W - 1 tokens before it, as transformers'
+sliding mask (key j visible to query i iff i - W < j <= i) does; full layers step with
+``(-1, -1)``. The session holds every token; the window is applied by the server.
+
 Not supported (a clear error, never a silent wrong answer): dropout, ``output_attentions``,
-sliding-window, chunked or non-causal attention, additive attention biases, beam search and other
-cache reordering, and cropping (assisted decoding).
+chunked (``attention_chunk_size``) or non-causal attention, layer types other than full and
+sliding attention, additive attention biases, beam search and other cache reordering, and
+cropping (assisted decoding).
 
 This module imports transformers; ``service.client`` does not import this module.
 """
@@ -52,18 +59,24 @@ def _text_config(config: Any) -> Any:
 
 def check_supported(config: Any) -> None:
     """Raise ``NotImplementedError`` for a config whose attention the sessions cannot serve: only
-    causal full attention over every past token is."""
+    causal attention, full or over a sliding window (``sliding_window``, ``layer_types`` of
+    ``"full_attention"`` and ``"sliding_attention"``), is."""
     config = _text_config(config)
     if not getattr(config, "is_causal", True):
         raise NotImplementedError("attnserve sessions serve causal attention only; this config is not causal")
-    for name in ("sliding_window", "attention_chunk_size"):
-        if getattr(config, name, None) is not None:
-            raise NotImplementedError(f"attnserve sessions serve full attention only; this config sets {name}="
-                                      f"{getattr(config, name)}")
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise NotImplementedError("attnserve sessions serve full or sliding-window attention only; this config "
+                                  f"sets attention_chunk_size={config.attention_chunk_size}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise NotImplementedError(f"attnserve needs sliding_window to be a positive int; this config sets {window!r}")
     layer_types = getattr(config, "layer_types", None) or []
-    other = sorted(set(layer_types) - {"full_attention"})
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if other:
-        raise NotImplementedError(f"attnserve sessions serve full attention only; this config has layer types {other}")
+        raise NotImplementedError("attnserve sessions serve full or sliding-window attention only; this config "
+                                  f"has layer types {other}")
+    if "sliding_attention" in layer_types and window is None:
+        raise NotImplementedError("this config has sliding_attention layers but no sliding_window")
 
 
 def use_attnserve(model: Any) -> Any:
@@ -78,7 +91,8 @@ class SessionLayer(CacheLayerMixin):
     """One decoder layer's view of the sessions: lengths only, the keys and values live on the server.
 
     ``length`` is the layer's length as transformers counts it (pad positions included, what the
-    masks are sized by); ``held`` [B] is what each row's session holds (pads left out)."""
+    masks are sized by); ``held`` [B] is what each row's session holds (pads left out); ``real``
+    (B, length) bool which of the positions entered the session (False: a pad)."""
 
     is_sliding = False
     is_croppable = False  # the server cannot drop a session's last tokens
@@ -89,6 +103,7 @@ class SessionLayer(CacheLayerMixin):
         self.batch_size = batch_size
         self.length = 0
         self.held = [0] * batch_size
+        self.real = torch.zeros(batch_size, 0, dtype=torch.bool)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -218,12 +233,15 @@ class SessionCache(Cache):
         self.close()
 
     def _step(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              past: int, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+              past: int, attention_mask: torch.Tensor | None, scaling: float | None,
+              sliding_window: int | None = None) -> torch.Tensor:
         """q (B, Hq, n, D), k/v (B, Hkv, n, D) -> o (B, n, Hq, D): one packed step of every row that
-        has a real (not pad) new token; pad positions' o are zeros."""
+        has a real (not pad) new token; pad positions' o are zeros. ``sliding_window`` W: the step
+        has ``window_size=(W - 1, 0)`` (else ``(-1, -1)``)."""
         layer = self.layers[layer_idx]
         b, hq, n, d = query.shape
-        new = _new_tokens(attention_mask, b, n, past, layer.held)  # (B, n) bool: which positions are real
+        # (B, n) bool: which positions are real
+        new = _new_tokens(attention_mask, b, n, past, layer.real, sliding_window)
         q_lengths = new.sum(1).tolist()
         rows = [i for i in range(b) if q_lengths[i] > 0]
         device = query.device
@@ -236,23 +254,32 @@ class SessionCache(Cache):
         k = keys.transpose(1, 2)[real].to("cpu")
         v = values.transpose(1, 2)[real].to("cpu")
         o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v, [q_lengths[i] for i in rows],
-                                    layer=layer_idx, scale=scaling)
+                                    layer=layer_idx, scale=scaling,
+                                    window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0))
         for i in range(b):
             layer.held[i] += q_lengths[i]
+        layer.real = torch.cat([layer.real, new], 1)
         out[real] = o.to(device, query.dtype)
         return out
 
 
-def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, held: list[int]) -> torch.Tensor:
+def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, past_real: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
     """(B, n) bool: which of the n new positions of each row are real tokens (enter the session).
 
-    The mask (B or 1, 1 or H, n, past + n), bool (True: attend) or additive float (0 or very
-    negative), must be causal attention over the row's real positions: the last query row's
-    columns tell which positions are real, and every real query row must see exactly the real
-    positions up to its own. Anything else (an attention bias, a window, a bidirectional block)
-    raises, as do real past positions that do not add up to what the row's session holds."""
+    ``past_real`` (B, past): which past positions entered the sessions (the layer's record). The
+    mask (B or 1, 1 or H, n, past + n), bool (True: attend) or additive float (0 or very negative),
+    must be causal attention over the row's real positions: a new position is real when its query
+    row sees itself (transformers' padding mask hides a pad from every row, its own included), and
+    every real query row must see exactly the real positions up to its own; with ``window`` W, only
+    the last W of them (its own included), counted in session positions (real tokens only), which is
+    what the server's ``window_size=(W - 1, 0)`` attends. For left padding that is transformers'
+    sliding mask (key j visible to query i iff i - W < j <= i). Anything else (an attention bias,
+    another window, a bidirectional block, a mask whose real past positions are not the sessions')
+    raises."""
     if attention_mask is None:  # plain causal: every position real
-        if any(h != past for h in held):
+        if not bool(past_real.all()):
+            held = past_real.sum(1).tolist()
             raise ValueError("no attention mask, but the sessions hold fewer tokens than the cache's length "
                              f"({held} of {past}): a padded prompt needs its attention_mask on every call")
         return torch.ones(b, n, dtype=torch.bool)
@@ -268,19 +295,21 @@ def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, 
             raise NotImplementedError("attnserve cannot apply an additive attention bias (the mask has values other "
                                       "than 0 and -inf)")
     attend = attend.expand(b, -1, -1, -1)
-    real = attend[:, 0, -1, :]  # (B, past + n): the last query row sees every real position
-    new = real[:, past:]
+    new = attend[:, 0, :, past:].diagonal(dim1=-2, dim2=-1)  # (B, n): a real query row sees itself
+    real = torch.cat([past_real, new], 1)  # (B, past + n)
     causal = torch.ones(n, past + n, dtype=torch.bool).tril(past)
     want = causal[None] & real[:, None, :]  # (B, n, past + n)
+    if window is not None:
+        # a real token's session position: how many real tokens come before it in its row
+        pos = real.long().cumsum(1) - 1  # (B, past + n)
+        want &= pos[:, None, :] > pos[:, past:, None] - window
     # pad query rows are left out: their outputs are discarded (zeros) whatever they attend to
     rows = new[:, None, :, None].expand(-1, attend.shape[1], -1, past + n)
     if not bool((attend == want[:, None]).logical_or(~rows).all()):
-        raise NotImplementedError("attnserve serves causal attention over a row's real tokens only; the mask "
-                                  "has another pattern (a window, a bidirectional block, a custom mask)")
-    held_now = real[:, :past].sum(1).tolist()
-    if held_now != list(held):
-        raise ValueError(f"the mask's real past positions per row ({held_now}) are not what the sessions hold "
-                         f"({list(held)})")
+        seen = "causal attention" if window is None else f"causal attention in a sliding window of {window}"
+        raise NotImplementedError(f"attnserve serves {seen} over a row's real tokens only (the tokens its session "
+                                  "holds); the mask has another pattern (a window, a bidirectional block, a custom "
+                                  "mask, other pad positions)")
     return new
 
 
@@ -290,7 +319,9 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     """transformers' attention interface: q (B, Hq, n, D), k/v (B, Hkv, n, D) (the new tokens, as
     ``SessionCache.update`` returned them), mask (B, 1, n, past + n) or None -> (o (B, n, Hq, D), None).
 
-    One packed step of every row on the server, layer ``module.layer_idx``, with ``scale=scaling``."""
+    One packed step of every row on the server, layer ``module.layer_idx``, with ``scale=scaling``
+    and, for a sliding layer (``sliding_window=W``, as transformers passes it), ``window_size=(W - 1, 0)``;
+    a full layer's step has ``(-1, -1)``."""
     entry = getattr(_staged, "entry", None)
     _staged.entry = None
     if entry is None:
@@ -304,15 +335,16 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                                "call, which attnserve cannot serve")
         if getattr(module, "layer_idx", layer_idx) != layer_idx:
             raise RuntimeError(f"attention of layer {module.layer_idx} got the keys staged for layer {layer_idx}")
-        _check_options(module, dropout, kwargs)
-        return cache._step(layer_idx, query, key, value, past, attention_mask, scaling), None
+        window = _check_options(module, dropout, kwargs)
+        return cache._step(layer_idx, query, key, value, past, attention_mask, scaling, window), None
     except BaseException as exc:
         # the cache counted this layer's new tokens in update; they never reached the sessions
         cache._failed = exc
         raise
 
 
-def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> int | None:
+    """Raise for what attnserve cannot serve; return the layer's sliding window W (or None)."""
     if dropout:
         raise NotImplementedError(f"attnserve attention has no dropout (got {dropout}); call model.eval()")
     config = getattr(module, "config", None)
@@ -320,9 +352,13 @@ def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, An
         raise NotImplementedError("attnserve attention does not return attention weights (output_attentions)")
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise NotImplementedError("attnserve sessions serve causal attention only")
-    for name in ("sliding_window", "softcap", "position_bias", "s_aux", "sinks"):
+    for name in ("softcap", "position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attnserve attention does not support {name}")
+    window = kwargs.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise NotImplementedError(f"attnserve needs sliding_window to be a positive int; got {window!r}")
+    return window
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attnserve_attention)

@@ -1,7 +1,8 @@
 """transformers' ``generate()`` of a tiny random Llama (fp32, CPU) with attention and KV cache served
 by a real CPU server's sessions (service/client/transformers.py): greedy tokens identical to the
 local model's, over HTTP and gRPC; a left-padded batch row for row; session lengths; sessions
-deleted afterwards; the unsupported cases raise."""
+deleted afterwards; the unsupported cases raise. Sliding-window models (a tiny Mistral, a Qwen2
+mixing sliding and full layers) on prompts longer than their window, the same way."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch
 from conftest import run_server
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from service.client import AttentionClient, GrpcAttentionClient  # noqa: E402
 from service.client.transformers import SessionCache, attnserve_attention, use_attnserve  # noqa: E402
@@ -39,6 +47,34 @@ def models():
     served.load_state_dict(local.state_dict())
     local.set_attn_implementation("sdpa")
     return local, use_attnserve(served)
+
+
+WINDOW = 8
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD)
+
+
+def twin(cls, config):
+    """(local on sdpa, served on attnserve): the same random weights, each its own config."""
+    torch.manual_seed(0)
+    local = cls(config).eval()
+    served = cls(copy.deepcopy(config)).eval()
+    served.load_state_dict(local.state_dict())
+    local.set_attn_implementation("sdpa")
+    return local, use_attnserve(served)
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return twin(MistralForCausalLM, MistralConfig(sliding_window=WINDOW, **TINY))
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    """Layer 0 full attention, layer 1 a sliding window (``max_window_layers=1``)."""
+    config = Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **TINY)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    return twin(Qwen2ForCausalLM, config)
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +185,74 @@ def test_unsupported_cases_raise_and_leave_no_session(models, server, http):
         with pytest.raises(RuntimeError, match="not the ones"):
             attnserve_attention(served.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16), k.clone(), v, None)
     assert session_count(server) == 0
-    sliding = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        SessionCache(http, sliding)
+    for bad, match in ((dict(attention_chunk_size=4), "attention_chunk_size"), (dict(is_causal=False), "causal"),
+                       (dict(layer_types=["full_attention", "chunked_attention"]), "layer types"),
+                       (dict(sliding_window=0), "sliding_window")):
+        config = llama_config()
+        for name, value in bad.items():
+            setattr(config, name, value)
+        with pytest.raises(NotImplementedError, match=match):
+            SessionCache(http, config)
+    assert session_count(server) == 0
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_generate_equals_the_local_model(request, server, http, grpc_client, transport, family):
+    """A prompt of 20 tokens and 12 new ones over a window of 8: greedy tokens identical to the
+    local model's (sdpa, transformers' sliding mask); the window matters (the same weights without
+    it give other logits); the sessions hold every token; none left afterwards."""
+    local, served = request.getfixturevalue(family)
+    client = http if transport == "http" else grpc_client
+    ids = prompt(20, seed=7)[None]
+    config = copy.deepcopy(local.config)
+    config.sliding_window = None
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    full = type(local)(config).eval()
+    full.load_state_dict(local.state_dict())
+    full.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        assert not torch.allclose(local(ids).logits[0, -1], full(ids).logits[0, -1], atol=1e-4)
+    want = generate(local, ids)
+    with SessionCache(client, served, batch_size=1) as cache:
+        got = generate(served, ids, cache=cache)
+        assert client.get_session(cache.sessions[0])["lengths"] == [20 + NEW - 1] * 2
+    assert torch.equal(got, want), (got, want)
+    assert session_count(server) == 0
+
+
+def test_sliding_window_left_padded_batch_equals_the_local_model(mistral, server, http):
+    """Prompts of 20 and 13 tokens, left-padded, over a window of 8: the window counts real tokens
+    only (as transformers' mask does for left pads); tokens equal the local model's on the same
+    batch, and each row's equal its prompt generated alone."""
+    local, served = mistral
+    a, b = prompt(20, seed=8), prompt(13, seed=9)
+    ids = torch.full((2, 20), PAD, dtype=torch.long)
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 7:], mask[1, 7:] = b, 1
+    want = generate(local, ids, attention_mask=mask)
+    with SessionCache(http, served, batch_size=2) as cache:
+        got = generate(served, ids, attention_mask=mask, cache=cache)
+        assert [http.get_session(s)["lengths"] for s in cache.sessions] == [[20 + NEW - 1] * 2, [13 + NEW - 1] * 2]
+    assert torch.equal(got, want), (got, want)
+    for row, alone in ((got[0], generate(local, a[None])[0]), (got[1, 7:], generate(local, b[None])[0])):
+        assert torch.equal(row[:len(alone)], alone) and bool((row[len(alone):] == PAD).all()), (row, alone)
+    assert session_count(server) == 0
+
+
+def test_a_sliding_layer_refuses_another_mask(mistral, models, server, http):
+    """A sliding layer given a plain causal mask longer than its window, and a full layer given a
+    sliding mask, raise: the mask must be the layer's own pattern."""
+    _, served = mistral
+    n = 2 * WINDOW
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    with SessionCache(http, served, batch_size=1) as cache, pytest.raises(NotImplementedError, match="window of 8"):
+        served(prompt(n, seed=10)[None], attention_mask=causal, cache=cache)
+    _, llama = models
+    sliding = causal & ~torch.ones(n, n, dtype=torch.bool).tril(-WINDOW)[None, None]
+    with SessionCache(http, llama, batch_size=1) as cache, pytest.raises(NotImplementedError, match="pattern"):
+        llama(prompt(n, seed=10)[None], attention_mask=sliding, cache=cache)
     assert session_count(server) == 0
 
 
