@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.kernels import alibi_slopes, mask_rows, visible_pairs, window_sides
+from bench.masks import alibi_slopes, mask_rows, visible_pairs, window_sides
 from kernels.masks import Masks, visible
 
 
