@@ -311,6 +311,11 @@ GPU_CASES = {
 }
 
 
+def alone_slopes(slopes):
+    """The last batch element's slopes: per-head ones ([Hq]) as they are, per-row ones ([B, Hq]) its row."""
+    return None if slopes is None else slopes if slopes.dim() == 1 else slopes[-1:].clone()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
@@ -334,7 +339,7 @@ def test_gpu_masked_calls_skip_the_hopper_kernels(name, dtype, monkeypatch):
     al = None if slopes is None else slopes.cpu()
     check(o.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal=causal, window=window, softcap=cap, alibi=al)
     o1, lse1 = attention(q[-1:].clone(), k[-1:].clone(), v[-1:].clone(),
-                         alibi_slopes=None if slopes is None or slopes.dim() == 1 else slopes[-1:].clone(), **opts)
+                         alibi_slopes=alone_slopes(slopes), **opts)
     assert torch.equal(o[-1:], o1) and torch.equal(lse[-1:], lse1)
 
 
