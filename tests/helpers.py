@@ -106,14 +106,16 @@ def masked64(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0,
 
 def assert_close_to_masked(o, q, k, v, **opts):
     """o against ``masked64`` in float64: at most 2x the error of the same formula in q's dtype, plus
-    one output rounding (STYLE item 11). opts: causal, scale, window, softcap, alibi."""
-    ref, _ = masked64(q, k, v, **opts)
+    one output rounding (STYLE item 11). opts: causal, scale, window, softcap, alibi. Returns the
+    reference (o, lse) for further checks."""
+    ref, ref_lse = masked64(q, k, v, **opts)
     plain, _ = masked64(q, k, v, dtype=q.dtype, **opts)
     assert o.shape == q.shape and o.dtype == q.dtype
     err = (o.double() - ref).abs().max().item()
     ulp = torch.finfo(q.dtype).eps * ref.abs().max().item()
     budget = 2 * (plain.double() - ref).abs().max().item() + ulp
     assert err <= budget, f"max error {err:.3g} over budget {budget:.3g}"
+    return ref, ref_lse
 
 
 def assert_close_to_reference(o, q, k, v, *, causal=False, scale=None, kv_lengths=None, lse=None):
