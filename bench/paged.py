@@ -242,3 +242,93 @@ def bench_paged(out_dir: Path, log, out_of_time, meta: dict) -> None:
     ])
     (out_dir / "paged.md").write_text(text + "\n")
     log(text)
+
+
+# ---- launch configs of ragged_fwd (``python -m bench.paged --sweep``) ----
+
+SWEEP_PREFILL = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+                 (64, 128, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 32, 4, 3)]
+SWEEP_DECODE = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (16, 64, 2, 3),
+                (16, 32, 4, 4), (16, 128, 4, 2), (16, 256, 8, 2)]
+
+
+def sweep(log) -> list[dict]:
+    """Each class's static config (``kernels.ragged.kernel_config``) replaced in turn, on the chunked
+    prefill, ragged prefill and paged decode shapes: TFLOP/s (prefill) or GB/s (decode) of
+    ``flash_ragged`` with its plan cached (device work and the launches' host work, no host read)."""
+    import kernels.ragged as rg
+
+    shipped = rg.kernel_config
+    rows = []
+    cases = [("chunk 4x256/4096 p64", "prefill"), ("chunk 2x2048/32768 p64", "prefill"),
+             ("ragged 16 seqs", "prefill"), ("decode 16x8192 p64", "decode"), ("decode 16x8192 p16", "decode"),
+             ("decode 1x8192 p64", "decode"), ("decode 64x1k..16k p64", "decode")]
+    for name, cls in cases:
+        if name.startswith("chunk"):
+            b, n_q, n_k = (4, 256, 4096) if "256" in name else (2, 2048, 32768)
+            q = torch.randn(b * n_q, HQ, D, device="cuda", dtype=DTYPE)
+            kp, vp, table, _ = paged_cache([n_k] * b, 64, seed=0)
+            work = b * causal_flops(n_q, n_k)
+            fns = [functools.partial(flash_ragged, q, kp, vp, [n_q] * b, [n_k] * b, causal=True, scale=D ** -0.5,
+                                     block_table=table)]
+        elif name.startswith("ragged"):
+            lens = PREFILL_LENS
+            q, k, v = (torch.randn(sum(lens), h, D, device="cuda", dtype=DTYPE) for h in (HQ, HKV, HKV))
+            starts = [0]
+            for n in lens[:-1]:
+                starts.append(starts[-1] + n)
+            work = sum(causal_flops(n, n) for n in lens)
+            fns = [functools.partial(flash_ragged, q, k, v, lens, lens, causal=True, scale=D ** -0.5,
+                                     k_starts=starts)]
+        else:
+            b = int(name.split()[1].split("x")[0])
+            lens = decode_lengths(b, (1024, 16384) if ".." in name else 8192, seed=b)
+            page = 16 if name.endswith("p16") else 64
+            work = 2 * sum(lens) * HKV * D * DTYPE.itemsize
+            copies = n_copies(work)
+            qs = [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+            caches = [paged_cache(lens, page, seed=i) for i in range(copies)]
+            fns = [functools.partial(flash_ragged, qq, kp, vp, [1] * b, lens, causal=True, scale=D ** -0.5,
+                                     block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
+        row: dict = {"case": name}
+        for cfg in (SWEEP_PREFILL if cls == "prefill" else SWEEP_DECODE):
+            def config(decode, d, dtype, interpret, cfg=cfg, cls=cls):
+                if decode == (cls == "decode"):
+                    return rg.Config(*cfg)
+                return shipped(decode, d, dtype, interpret)
+
+            rg.kernel_config = config
+            rg.cached_plan.cache_clear()
+            key = "/".join(map(str, cfg))
+            try:
+                for fn in fns:
+                    fn()
+                torch.cuda.synchronize()
+                if cls == "prefill":
+                    ms = do_bench(fns[0], warmup=5, rep=30, return_mode="median")
+                    row[key] = round(work / ms / 1e9)
+                else:
+                    row[key] = round(work / rotated_ms(fns) / 1e6)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit says so
+                row[key] = "err"
+                log(f"  {name} {key}: {type(exc).__name__}: {str(exc)[:120]}")
+        rg.kernel_config = shipped
+        rg.cached_plan.cache_clear()
+        log("  sweep " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+        del fns
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="ragged_fwd's launch configs on the paged section's shapes")
+    ap.add_argument("--sweep", action="store_true", required=True)
+    ap.add_argument("--out", default="paged_sweep.md")
+    a = ap.parse_args()
+    rows = sweep(print)
+    text = "\n\n".join(_table([r for r in rows if r["case"].startswith(p)]) for p in ("chunk", "ragged", "decode"))
+    Path(a.out).write_text(text + "\n")
+    print(text)
