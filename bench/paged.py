@@ -292,10 +292,10 @@ def sweep(log) -> list[dict]:
                                      block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
         row: dict = {"case": name}
         for cfg in (SWEEP_PREFILL if cls == "prefill" else SWEEP_DECODE):
-            def config(decode, d, dtype, interpret, cfg=cfg, cls=cls):
-                if decode == (cls == "decode"):
+            def config(c, d, dtype, interpret, cfg=cfg, cls=cls):  # prefill configs: prefill and chunk
+                if (c == "decode") == (cls == "decode"):
                     return rg.Config(*cfg)
-                return shipped(decode, d, dtype, interpret)
+                return shipped(c, d, dtype, interpret)
 
             rg.kernel_config = config
             rg.cached_plan.cache_clear()

@@ -12,6 +12,8 @@ all, so no sequence is padded to the longest.
   (items, Hkv).
 - "prefill" sequences (more rows): a program is BLOCK_M query rows of one head; grid (items, Hq);
   causal tiles skip the key blocks in their future.
+- "chunk" sequences: prefill rows against at least twice as many keys (a chunked prefill against
+  its cache), the same program with smaller tiles, which the H200 runs faster on that shape.
 
 A sequence whose programs alone would leave SMs idle (few query rows, many keys) is split along its
 keys (flash-decoding): each split writes a float32 partial (o, lse), and ``ragged_merge`` combines
@@ -66,21 +68,28 @@ def block_d(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def kernel_config(decode: bool, d: int, dtype: torch.dtype, interpret: bool) -> Config:
-    """Tiles of one class: decode packs up to 16 rows (the smallest tl.dot M) and streams 64-key
-    blocks, the config ``_flash_fwd_kernels.py`` found best for split decode; prefill takes that
-    file's first prefill config per head-dim class. Float32 tiles take twice the shared memory."""
+CLASSES = ("decode", "prefill", "chunk")
+
+
+def kernel_config(cls: str, d: int, dtype: torch.dtype, interpret: bool) -> Config:
+    """Tiles of one class (``CLASSES``), the fastest of ``python -m bench.paged --sweep`` on the
+    H200 at D = 128 (docs/benchmarks/kernels.md): decode packs up to 16 rows (the smallest tl.dot
+    M) and streams 64-key blocks with two warps; prefill takes 128 x 128 tiles, a chunk 64 x 64.
+    Float32 tiles take twice the shared memory. The interpreter's tiles are small (CPU time) and
+    differ per class, so the CPU tests run every class's shape."""
     if interpret:
-        return Config(16 if decode else 32, 32, 4, 1)
+        return {"decode": Config(16, 32, 4, 1), "prefill": Config(32, 32, 4, 1), "chunk": Config(16, 32, 4, 1)}[cls]
     bd = block_d(d)
     if dtype == torch.float32:
-        return Config(16 if decode else 64, 64 if bd <= 128 else 32, 4, 2)
-    if decode:
-        return Config(16, 64, 4, 3 if bd <= 128 else 2)
+        return Config(16 if cls == "decode" else 64, 64 if bd <= 128 else 32, 4, 2)
+    if cls == "decode":
+        return Config(16, 64, 2, 3) if bd <= 128 else Config(16, 64, 4, 2)
+    if cls == "chunk":
+        return Config(64, 64, 4, 3) if bd <= 128 else Config(64, 64, 4, 2)
     if bd <= 64:
         return Config(128, 64, 4, 3)
     if bd <= 128:
-        return Config(128, 64, 8, 3)
+        return Config(128, 128, 8, 3)
     return Config(128, 64, 8, 2)
 
 
@@ -104,24 +113,32 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def sequence_class(n_q: int, n_k: int, group: int) -> int:
+    """The index in ``CLASSES`` of a sequence of n_q rows against n_k keys (GQA group size ``group``)."""
+    if n_q * group <= PACK_ROWS:
+        return 0
+    return 2 if n_k >= 2 * n_q else 1
+
+
 @functools.lru_cache(maxsize=65536)
-def sequence_plan(n_q: int, n_k: int, hq: int, hkv: int, bm_decode: int, bm_prefill: int,
-                  sms: int) -> tuple[bool, int, int, int]:
-    """(decode, row tiles, splits, keys per split) of one sequence: from its own lengths and the
-    static configuration only (module docstring, batch invariance). A sequence is split when its
-    programs alone fill less than one wave of SMs and it has at least two quanta of keys; the
-    splits are whole quanta, at most ``MAX_SPLITS``, none empty."""
+def sequence_plan(n_q: int, n_k: int, hq: int, hkv: int, block_ms: tuple[int, int, int],
+                  sms: int) -> tuple[int, int, int, int]:
+    """(class, row tiles, splits, keys per split) of one sequence, ``block_ms`` the BLOCK_M of each
+    of ``CLASSES``: from its own lengths and the static configuration only (module docstring, batch
+    invariance). A sequence is split when its programs alone fill less than one wave of SMs and it
+    has at least two quanta of keys; the splits are whole quanta, at most ``MAX_SPLITS``, none empty."""
     group = hq // hkv
-    decode = n_q * group <= PACK_ROWS
-    tiles = _cdiv(n_q * group if decode else n_q, bm_decode if decode else bm_prefill)
+    cls = sequence_class(n_q, n_k, group)
+    decode = cls == 0
+    tiles = _cdiv(n_q * group if decode else n_q, block_ms[cls])
     programs = tiles * (hkv if decode else hq)
     splits = 1
     if (decode or n_q <= 64) and programs < sms and n_k >= 2 * SPLIT_KEY_QUANTUM:
         splits = min(_cdiv(sms, programs), n_k // SPLIT_KEY_QUANTUM, MAX_SPLITS)
     if splits == 1:
-        return decode, tiles, 1, n_k
+        return cls, tiles, 1, n_k
     kps = _cdiv(_cdiv(n_k, splits), SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
-    return decode, tiles, _cdiv(n_k, kps), kps
+    return cls, tiles, _cdiv(n_k, kps), kps
 
 
 @dataclass
@@ -131,31 +148,36 @@ class Plan:
     seq: torch.Tensor          # (S, SEQ_FIELDS)
     decode: torch.Tensor       # (n, WORK_FIELDS) work items of decode sequences
     prefill: torch.Tensor      # (n, WORK_FIELDS) work items of prefill sequences
+    chunk: torch.Tensor        # (n, WORK_FIELDS) work items of chunk sequences
     merge: torch.Tensor        # (n, MERGE_FIELDS) tokens of split sequences
     part_rows: int             # rows of the partial buffers
-    cfg_decode: Config
-    cfg_prefill: Config
+    cfgs: tuple[Config, Config, Config]   # each of CLASSES' config
+
+    def launches(self) -> list[tuple[torch.Tensor, Config, bool]]:
+        """(work items, config, packed) of each class's launch, in ``CLASSES`` order."""
+        return [(self.decode, self.cfgs[0], True), (self.prefill, self.cfgs[1], False),
+                (self.chunk, self.cfgs[2], False)]
 
 
 def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
                hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
                interpret: bool) -> Plan:
     """Plan every sequence alone (``sequence_plan``) and list the work items: per sequence, its row
-    tiles by its key splits, in that order; prefill items are then ordered longest first (better
-    tail balance; the order changes no bits). Built with numpy over every item at once: a step of
+    tiles by its key splits, in that order; prefill and chunk items are then ordered longest first
+    (better tail balance; the order changes no bits). Built with numpy over every item at once: a step of
     many long sequences has hundreds of split items, and this runs on every call whose lengths
     are new (a decode step's are, each step)."""
-    cfg_d = kernel_config(True, d, dtype, interpret)
-    cfg_p = kernel_config(False, d, dtype, interpret)
+    cfgs = tuple(kernel_config(c, d, dtype, interpret) for c in CLASSES)
+    block_ms = tuple(c.block_m for c in cfgs)
     sms = num_sms(device)
     n_seq = len(q_lens)
     nq = np.asarray(q_lens, dtype=np.int64).reshape(-1)
     nk = np.asarray(k_lens, dtype=np.int64).reshape(-1)
     q0 = np.concatenate([[0], np.cumsum(nq)[:-1]]) if n_seq else np.zeros(0, np.int64)
     ks = np.zeros(n_seq, np.int64) if k_starts is None else np.asarray(k_starts, dtype=np.int64).reshape(-1)
-    plans = [sequence_plan(int(a), int(b), hq, hkv, cfg_d.block_m, cfg_p.block_m, sms) if a > 0 else (False, 0, 1, 0)
+    plans = [sequence_plan(int(a), int(b), hq, hkv, block_ms, sms) if a > 0 else (1, 0, 1, 0)
              for a, b in zip(nq.tolist(), nk.tolist(), strict=True)]
-    decode = np.asarray([p[0] for p in plans], dtype=bool).reshape(-1)
+    cls = np.asarray([p[0] for p in plans], dtype=np.int64).reshape(-1)
     tiles = np.asarray([p[1] for p in plans], dtype=np.int64).reshape(-1)
     splits = np.asarray([p[2] for p in plans], dtype=np.int64).reshape(-1)
     kps = np.asarray([p[3] for p in plans], dtype=np.int64).reshape(-1)
@@ -173,19 +195,23 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
     k1 = np.minimum(k0 + kps[s_of], nk[s_of])
     row = np.where(sp > 1, base[s_of] + j * nq[s_of], -1)
     items = np.stack([s_of, tile, k0, k1, row], axis=1).astype(np.int32).reshape(-1, 5)
-    dec_mask = decode[s_of]
-    dec, pre = items[dec_mask], items[~dec_mask]
-    if len(pre):
-        ps, pt, pk0, pk1 = s_of[~dec_mask], tile[~dec_mask], k0[~dec_mask], k1[~dec_mask]
-        hi = np.minimum(pk1, (pt + 1) * cfg_p.block_m + nk[ps] - nq[ps]) if causal else pk1
-        pre = pre[np.argsort(pk0 - hi, kind="stable")]
+    item_cls = cls[s_of]
+    work = []
+    for c in range(len(CLASSES)):
+        mask = item_cls == c
+        got = items[mask]
+        if c > 0 and len(got):  # row tiles: longest first
+            ps, pt, pk0, pk1 = s_of[mask], tile[mask], k0[mask], k1[mask]
+            hi = np.minimum(pk1, (pt + 1) * block_ms[c] + nk[ps] - nq[ps]) if causal else pk1
+            got = got[np.argsort(pk0 - hi, kind="stable")]
+        work.append(got)
     # merge rows: each query row of a split sequence, (its row, its first partial row, n_q, splits)
     split_seq = np.flatnonzero(splits > 1)
     m_s = np.repeat(split_seq, nq[split_seq])
     m_i = np.arange(len(m_s)) - np.repeat(np.cumsum(nq[split_seq]) - nq[split_seq], nq[split_seq])
     merge = np.stack([q0[m_s] + m_i, base[m_s] + m_i, nq[m_s], splits[m_s]], axis=1).astype(np.int32).reshape(-1, 4)
     seq_rows = np.stack([q0, nq, ks, nk], axis=1).astype(np.int32).reshape(-1, 4)
-    parts = [seq_rows, dec, pre, merge]
+    parts = [seq_rows, *work, merge]
     buf = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32))
     if device.type == "cuda":  # from pinned memory, in stream order: a pageable copy would wait for the device
         buf = buf.pin_memory().to(device, non_blocking=True)
@@ -193,7 +219,7 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
     for p in parts:
         views.append(buf[at:at + p.size].view(p.shape))
         at += p.size
-    return Plan(*views, part_rows=part_rows, cfg_decode=cfg_d, cfg_prefill=cfg_p)
+    return Plan(*views, part_rows=part_rows, cfgs=cfgs)
 
 
 @functools.lru_cache(maxsize=256)
@@ -263,7 +289,7 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
     slopes, stride_as, stride_ah = alibi_arg(masks, dev)
     launch = plain_launcher()
     bd = block_d(d)
-    for work, cfg, decode in ((plan.decode, plan.cfg_decode, True), (plan.prefill, plan.cfg_prefill, False)):
+    for work, cfg, decode in plan.launches():
         if work.shape[0] == 0:
             continue
         args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, slopes, *bt_strides, stride_as, stride_ah,

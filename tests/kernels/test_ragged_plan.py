@@ -1,6 +1,6 @@
 """kernels.ragged.build_plan, built with numpy over every work item at once, against the plan's
 definition written as the plain loop over sequences, row tiles and key splits: the same seq rows,
-decode and prefill items (prefill longest first, stably), merge rows and partial-row count."""
+decode, prefill and chunk items (prefill and chunk longest first, stably), merge rows and partial-row count."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ from kernels import ragged
 
 
 def plan_by_loop(q_lens, k_lens, k_starts, hq, hkv, d, dtype, causal, sms):
-    cfg_d = ragged.kernel_config(True, d, dtype, False)
-    cfg_p = ragged.kernel_config(False, d, dtype, False)
-    seq_rows, dec, pre, pre_cost, merge = [], [], [], [], []
+    cfgs = [ragged.kernel_config(c, d, dtype, False) for c in ragged.CLASSES]
+    block_ms = tuple(c.block_m for c in cfgs)
+    seq_rows, merge = [], []
+    work = [[] for _ in ragged.CLASSES]
+    cost = [[] for _ in ragged.CLASSES]
     part_rows, q0 = 0, 0
     for s, (n_q, n_k) in enumerate(zip(q_lens, k_lens, strict=True)):
         seq_rows.append((q0, n_q, 0 if k_starts is None else k_starts[s], n_k))
         if n_q > 0:
-            decode, tiles, splits, kps = ragged.sequence_plan(n_q, n_k, hq, hkv, cfg_d.block_m, cfg_p.block_m, sms)
+            cls, tiles, splits, kps = ragged.sequence_plan(n_q, n_k, hq, hkv, block_ms, sms)
+            assert cls == ragged.sequence_class(n_q, n_k, hq // hkv)
             base = -1
             if splits > 1:
                 base, part_rows = part_rows, part_rows + splits * n_q
@@ -29,21 +32,18 @@ def plan_by_loop(q_lens, k_lens, k_starts, hq, hkv, d, dtype, causal, sms):
             for tile in range(tiles):
                 for j in range(splits):
                     k0, k1 = j * kps, min(j * kps + kps, n_k)
-                    item = (s, tile, k0, k1, base + j * n_q if splits > 1 else -1)
-                    if decode:
-                        dec.append(item)
-                    else:
-                        pre.append(item)
-                        hi = min(k1, (tile + 1) * cfg_p.block_m + n_k - n_q) if causal else k1
-                        pre_cost.append(k0 - hi)
+                    work[cls].append((s, tile, k0, k1, base + j * n_q if splits > 1 else -1))
+                    hi = min(k1, (tile + 1) * block_ms[cls] + n_k - n_q) if causal else k1
+                    cost[cls].append(k0 - hi)
         q0 += n_q
-    if pre:
-        pre = [pre[i] for i in np.argsort(np.asarray(pre_cost), kind="stable")]
+    for c in (1, 2):  # prefill and chunk items: longest first, stably
+        if work[c]:
+            work[c] = [work[c][i] for i in np.argsort(np.asarray(cost[c]), kind="stable")]
 
     def arr(rows, width):
         return np.asarray(rows, dtype=np.int32).reshape(-1, width)
 
-    return arr(seq_rows, 4), arr(dec, 5), arr(pre, 5), arr(merge, 4), part_rows
+    return arr(seq_rows, 4), *(arr(w, 5) for w in work), arr(merge, 4), part_rows
 
 
 def cases():
@@ -68,9 +68,9 @@ def test_build_plan_equals_the_loop(monkeypatch, sms, causal, heads):
     for q_lens, k_lens, starts in cases():
         plan = ragged.build_plan(q_lens, k_lens, starts, hq, hkv, 128, torch.bfloat16, torch.device("cpu"),
                                  causal, False)
-        seq, dec, pre, merge, part_rows = plan_by_loop(q_lens, k_lens, starts, hq, hkv, 128, torch.bfloat16,
-                                                       causal, sms)
+        seq, dec, pre, chunk, merge, part_rows = plan_by_loop(q_lens, k_lens, starts, hq, hkv, 128,
+                                                              torch.bfloat16, causal, sms)
         for name, got, want in (("seq", plan.seq, seq), ("decode", plan.decode, dec), ("prefill", plan.prefill, pre),
-                                ("merge", plan.merge, merge)):
+                                ("chunk", plan.chunk, chunk), ("merge", plan.merge, merge)):
             assert np.array_equal(got.numpy(), want), (name, q_lens, k_lens)
         assert plan.part_rows == part_rows
