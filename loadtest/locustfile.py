@@ -71,6 +71,8 @@ def _options(parser) -> None:
                         help="write the final statistics (after the users stopped) as JSON here")
     parser.add_argument("--api-key", env_var="LOADTEST_API_KEY", default="",
                         help="sent as 'Authorization: Bearer KEY' (HTTP header, gRPC metadata)")
+    parser.add_argument("--session-prefix", env_var="LOADTEST_SESSION_PREFIX", default="",
+                        help="session users name their sessions PREFIX + a random hex (default: the server names them)")
 
 
 class _State:
@@ -82,6 +84,7 @@ class _State:
     grpc_target = ""
     timeout = 300.0
     auth: dict[str, str] = {}
+    session_prefix = ""  # session users' ids start with it, so the runner can find what a run left
 
     @classmethod
     def pool(cls, mix: str) -> payloads.Pool:
@@ -98,6 +101,7 @@ def _init(environment, **_kw) -> None:
         return
     _State.mix, _State.timeout = opts.mix, opts.request_timeout
     _State.auth = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    _State.session_prefix = opts.session_prefix
     host = urlparse(environment.host or opts.host or "http://127.0.0.1:8000").hostname or "127.0.0.1"
     _State.grpc_target = opts.grpc_target or f"{host}:8001"
     if opts.final_stats and not isinstance(environment.runner, WorkerRunner):
@@ -204,7 +208,9 @@ class OipUser(_HttpBase):
 class SessionUser(_HttpBase):
     """One session's whole life per task, over HTTP safetensors (API.md §10); the plan is drawn
     from the session mix (--mix sessions, sessions-small), by weight. A user stopped mid-life ends
-    its session in on_stop, so a finished run leaves none held on the server."""
+    its session in on_stop. With worker processes Locust's master interrupts its workers 3 s
+    after the run ends, before their users' on_stop has run, so the runner (loadtest/run.py)
+    names the sessions (--session-prefix) and ends what a run left."""
 
     sid: str | None = None  # the session this user holds now
 
@@ -222,9 +228,11 @@ class SessionUser(_HttpBase):
         plan = self.rng.choices(plans, [p.weight for p in plans])[0]
         ref = sessions.SessionReference(plan, np.random.default_rng(self.rng.getrandbits(63)))
         auth = _State.auth
+        doc = {"layers": plan.layers, "num_kv_heads": plan.hkv, "head_dim": plan.d, "dtype": plan.dtype}
+        if _State.session_prefix:
+            doc["session"] = f"{_State.session_prefix}{self.rng.getrandbits(64):016x}"
         with self.client.post("/sessions", name=f"session create {plan.label}", catch_response=True,
-                              json={"layers": plan.layers, "num_kv_heads": plan.hkv, "head_dim": plan.d,
-                                    "dtype": plan.dtype}, headers=auth) as resp:
+                              json=doc, headers=auth) as resp:
             if resp.status_code != 201:
                 resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:300]}")
                 return

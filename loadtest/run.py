@@ -129,6 +129,29 @@ def run_seconds(run_time: str) -> float:
     return total + (float(number) if number else 0.0)
 
 
+def end_sessions(host: str, prefix: str, api_key: str) -> int | str:
+    """DELETE the sessions whose ids start with ``prefix`` (the ones this run's users named and
+    did not end: users a worker process lost mid-session) -> how many, or why it could not look."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        req = urllib.request.Request(host + "/sessions", headers=headers)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            held = json.load(r).get("sessions", [])
+        ended = 0
+        for sid in held:
+            if isinstance(sid, str) and sid.startswith(prefix):
+                req = urllib.request.Request(f"{host}/sessions/{sid}", method="DELETE", headers=headers)
+                with contextlib.suppress(urllib.error.HTTPError):  # 404: it ended meanwhile
+                    urllib.request.urlopen(req, timeout=30).close()
+                    ended += 1
+        return ended
+    except (OSError, ValueError) as exc:
+        return f"could not list the sessions: {exc}"
+
+
 def print_summary(s: dict, out=sys.stdout) -> None:
     p = lambda *a: print(*a, file=out)
     c = s["config"]
@@ -155,6 +178,8 @@ def print_summary(s: dict, out=sys.stdout) -> None:
           "started them late (a long spawn, or workers lost and re-added while the load generator was "
           "too busy; see its log); answers before that are not counted")
     p(f"failures: {r['failures']} of {r['requests']}")
+    if s.get("sessions_left") is not None:
+        p(f"sessions the users left held (ended by the runner): {s['sessions_left']}")
     for e in r.get("errors", [])[:10]:
         p(f"  {e['occurrences']}x {e['type']} {e['name']}: {e['error'][:300]}")
     b = s.get("batch_sizes")
@@ -238,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
            "--loglevel", a.locust_loglevel]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
+    session_prefix = f"lt-{os.getpid()}-{os.urandom(4).hex()}-" if "session" in classes else ""
+    if session_prefix:
+        cmd += ["--session-prefix", session_prefix]
     if not a.no_html:
         cmd += ["--html", f"{prefix}.html"]
     if a.processes != 1:
@@ -270,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if sampler is not None:
         sampler.stop()
     after = None if a.no_metrics else scrape(metrics_url, a.api_key)
+    left = end_sessions(host, session_prefix, a.api_key) if session_prefix else None
 
     summary = {
         "config": {"tag": tag, "host": host, "grpc_target": grpc_target, "users": a.users,
@@ -280,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_sizes": batch_sizes(before, after),
         "memory": sampler.summary() if sampler else None,
         "locust_exit_code": rc,
+        "sessions_left": left,
     }
     Path(f"{prefix}_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print_summary(summary)

@@ -405,6 +405,26 @@ def test_session_users_stopped_mid_session_end_their_sessions(server, tmp_path):
     assert held["count"] == 0 and held["kv_bytes_used"] == 0, held
 
 
+def test_session_users_of_worker_processes_leave_no_session(server, tmp_path):
+    """With worker processes Locust's master interrupts its workers 3 s after the run, before their
+    users' on_stop has run: the users name their sessions with the run's prefix and the runner
+    ends what they left; sessions it did not name (another client's) stay."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    other = httpx.post(server.url + "/sessions", json={"layers": 1, "num_kv_heads": 2, "head_dim": 16,
+                                                       "dtype": "float32", "session": "another-client"},
+                       headers=auth, timeout=10)
+    assert other.status_code == 201, other.text
+    try:
+        rc, summary, out = loadtest(server, tmp_path, "--users", "4", "--run-time", "4s", "--mix", "sessions-small",
+                                    "--processes", "2", "--stop-timeout", "5", "--api-key", KEY)
+        assert rc == 0 and summary["result"]["failures"] == 0, out
+        assert isinstance(summary["sessions_left"], int), summary["sessions_left"]
+        held = httpx.get(server.url + "/sessions", headers=auth, timeout=10).json()
+        assert held["sessions"] == ["another-client"], held
+    finally:
+        httpx.delete(server.url + "/sessions/another-client", headers=auth, timeout=10)
+
+
 def test_session_mix_and_user_class_must_match(tmp_path):
     for args in (["--mix", "sessions", "--user-class", "st"], ["--mix", "small", "--user-class", "session"]):
         with pytest.raises(SystemExit, match="is for --user-class"):
