@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -48,6 +49,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def free_port() -> int:
+    """A TCP port free now, below Linux's ephemeral range (32768 and up): a port from that range
+    can be taken as the local port of any client connection on the host (another test's, another
+    suite's) between this check and the server's bind, seconds later, once the server has started."""
+    for _ in range(100):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,8 +87,30 @@ class ServerProcess:
 @contextlib.contextmanager
 def run_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
                wait_ready: bool = True, timeout: float = 120.0) -> Iterator[ServerProcess]:
-    """Start ``python -m service`` on free ports (CPU unless args say otherwise); stop it after."""
+    """Start ``python -m service`` on free ports (CPU unless args say otherwise); stop it after.
+    A server that lost a port it was given to another process before it could bind it is started
+    again on new ports (twice at most), unless the test chose the ports."""
+    own_ports = "--http-port" in args or "--grpc-port" in args
+    for attempt in range(3):
+        server = _start_server(tmp_path, args, env)
+        try:
+            if wait_ready:
+                try:
+                    _wait_ready(server, timeout)
+                except RuntimeError:
+                    if attempt < 2 and not own_ports and _lost_its_port(server):
+                        continue
+                    raise
+            yield server
+            return
+        finally:
+            _stop_server(server)
+
+
+def _start_server(tmp_path: Path, args: tuple[str, ...], env: dict[str, str] | None) -> ServerProcess:
     http_port, grpc_port = free_port(), free_port()
+    while grpc_port == http_port:
+        grpc_port = free_port()
     log_path = tmp_path / f"server-{http_port}.log"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
     full_env.pop("TRITON_INTERPRET", None)  # the server uses the CPU path unless a test asks
@@ -87,19 +121,24 @@ def run_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         cmd += ["--device", "cpu"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
-    server = ServerProcess(proc, http_port, grpc_port, log_path)
-    try:
-        if wait_ready:
-            _wait_ready(server, timeout)
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return ServerProcess(proc, http_port, grpc_port, log_path)
+
+
+def _lost_its_port(server: ServerProcess) -> bool:
+    log = server.log().lower()
+    return server.proc.returncode not in (None, 0) and any(
+        s in log for s in ("address already in use", "errno 98", "failed to bind"))
+
+
+def _stop_server(server: ServerProcess) -> None:
+    proc = server.proc
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_ready(server: ServerProcess, timeout: float) -> None:

@@ -38,6 +38,26 @@ def test_busy_http_port_stops_the_process(tmp_path):
             assert "HTTP server stopped" in server.log()
 
 
+@pytest.mark.parametrize("lost", ["http", "grpc"])
+def test_a_server_that_lost_its_port_is_started_again(tmp_path, monkeypatch, lost):
+    """run_server's ports are free when chosen, but another process may bind one before the server
+    has started (seconds later): the server exits, and run_server starts it again on new ports."""
+    import tests.conftest as cf
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        first = [taken, cf.free_port()] if lost == "http" else [cf.free_port(), taken]
+        real, picks = cf.free_port, iter(first)
+        monkeypatch.setattr(cf, "free_port", lambda: next(picks, None) or real())
+        with cf.run_server(tmp_path) as server:
+            assert taken not in (server.http_port, server.grpc_port)
+            assert httpx.get(server.url + "/healthz").status_code == 200
+        logs = sorted(tmp_path.glob("server-*.log"))
+        assert len(logs) == 2, logs
+
+
 def test_server_serves_then_stops_cleanly_on_sigterm(tmp_path):
     with run_server(tmp_path) as server:
         assert httpx.get(server.url + "/healthz").status_code == 200
