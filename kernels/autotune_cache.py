@@ -88,7 +88,8 @@ def device_name(device: torch.device) -> str:
 @functools.cache
 def _triton_parts(target) -> tuple[str, str]:
     from triton._C.libtriton import get_cache_invalidating_env_vars
-    from triton.compiler.compiler import make_backend, triton_key
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import triton_key
 
     return triton_key() + "-" + make_backend(target).hash(), str(sorted(get_cache_invalidating_env_vars().items()))
 
