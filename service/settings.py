@@ -144,7 +144,7 @@ class Settings(BaseSettings):
     )
     precompile_workers: int = Field(
         0, ge=0, description="processes or threads --precompile compiles on; 0: one per CPU core the server "
-        "may run on, at most 32",
+        "may use (its affinity and cgroup CPU quota), at most one per GiB of available memory and 32",
     )
     autotune_cache: bool = Field(
         True,
