@@ -343,15 +343,22 @@ def compile_all(variants: Sequence[Variant], workers: int = 0, kind: str = "proc
 @contextlib.contextmanager
 def _cache_lock() -> Iterator[None]:
     """One compiler per cache dir at a time: servers sharing the dir (``--processes``, pods on one
-    volume) wait for the first, then find its kernels cached instead of compiling them again."""
-    folder = Path(knobs.cache.dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_NAME, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    volume) wait for the first, then find its kernels cached instead of compiling them again.
+    Where the folder takes no lock (read-only, a filesystem without ``flock``), none is held."""
+    try:
+        folder = Path(knobs.cache.dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        f = open(folder / LOCK_NAME, "a")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        log.info("precompile: no lock in the Triton cache dir (%s); compiling without one", exc)
+        yield
+        return
+    with f:
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.info("precompile: the Triton cache dir takes no lock (%s); compiling without one", exc)
+        yield  # an unlocked file's close releases nothing; a locked one's releases the lock
 
 
 def ahead(run: Callable[[], object], workers: int = 0, kind: str = "processes") -> Report | None:

@@ -2,9 +2,10 @@
 
 precompile_check.py runs the project's launch paths with Triton's JIT (not the interpreter) in a
 fresh process: the recording pass lists every config the autotuner would time (and leaves the
-autotuner as it was), a recorded variant compiles for sm_90 in a worker process into the cache
-dir, the JIT's own compile of that launch then is a cache hit, and a stored autotune choice is
-replayed without timing. The rest checks the autotune store's files here."""
+autotuner as it was), ``ahead`` compiles a variant for sm_90 in a worker process into the cache
+dir (and, run again, finds it cached), the JIT's own compile of that launch then is a cache hit,
+and a stored autotune choice is replayed without timing. The rest checks the autotune store's
+files here."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def test_record_compile_ahead_and_replay(tmp_path):
     assert found["fwd_blocks"] == sorted([c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]] for c in flash_fwd._PREFILL_FP32)
     assert found["tuner_restored"], "the recording pass leaves the autotuner, the hook and direct launches as they were"
     assert found["missing_before"] == 4
-    assert (found["compiled"], found["failed"]) == (1, 0)
+    assert found["cold"] == [1, 0, 1, 0, 1], "recorded, cached, compiled, failed, workers"
     assert found["missing_after"] == ["attn_fwd"] * 3, "only what was compiled leaves the missing list"
+    assert found["warm"] == [1, 1, 0, 0], "a warm start compiles nothing and starts no worker"
     assert found["jit_cache_hits"] == [True], "the JIT must find the precompiled kernel under its own cache key"
     assert found["saved_under_cache_dir"] and found["replayed"]
     assert list((tmp_path / "triton").glob("*/attn_combine.cubin"))
