@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> None:
                              "processes, since nothing is compiled there)")
     parser.add_argument("--no-ablate", dest="ablate", action="store_false",
                         help="skip the warm start with --no-autotune-cache")
-    parser.add_argument("--timeout", type=float, default=400.0, help="seconds one start may take to get ready")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one start may take to get ready")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here (also printed)")
-    parser.add_argument("--logs", type=Path, default=None, help="folder for the server logs (default: a temp dir)")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="folder for the server logs (default: startup-logs next to --out, else a temp dir)")
     parser.add_argument("--keep-cache", action="store_true", help="keep the Triton cache folders (else removed)")
     args = parser.parse_args(argv)
 
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
     modes = args.modes.split(",") if args.modes else (list(MODES) if on_gpu else ["processes"])
-    logs = args.logs or Path(tempfile.mkdtemp(prefix="attnserve-startup-logs-"))
+    logs = args.logs or (args.out.parent / "startup-logs" if args.out else
+                         Path(tempfile.mkdtemp(prefix="attnserve-startup-logs-")))
     logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
 
