@@ -10,12 +10,14 @@ What it replaces. ``kernel[grid](*args)`` binds every argument, and an autotuned
 - ``_run`` calls a compiled kernel's C launcher itself, allocating the global scratch its
   device-side tensor descriptors need (``CudaLauncher`` would);
 - ``_tuned_already`` and ``_choose_config`` rebuild the autotuner's key, so that a key first seen
-  after ``freeze_autotuning()`` runs its first config instead of being tuned on the request path.
+  after ``freeze_autotuning()`` runs its first config instead of being tuned on the request path,
+  and so that a key's choice is looked up in (and written to) ``autotune_cache`` instead of being
+  timed again at every start.
 
 Why: that host work costs more per call than a short kernel runs on the GPU, and an eager decode
 waits on it (numbers: docs/benchmarks/kernels.md#launch-cache).
 
-Pinned to triton==3.6.0: ``_run``'s argument list, ``_tuned_already``'s key and the launcher
+Pinned to triton==3.6.0: ``_run``'s argument list, ``_tuning_key``'s key and the launcher
 fields read here are Triton internals that change between releases.
 
 Off switch: ``ATTNSERVE_DIRECT_LAUNCH=0`` (read once, at import) or ``set_direct_launch(False)``
@@ -32,6 +34,7 @@ import triton
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import autotune_cache
 from .jit import flash_fwd as _kern
 
 _INTERPRET_CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
@@ -87,14 +90,19 @@ def clear_on_switch(cache: dict) -> None:
     _switch_clears.append(cache)
 
 
-def _tuned_already(tuned, args: tuple, meta: dict) -> bool:
-    """Whether ``tuned`` (a triton Autotuner) has a config for this launch's key; the key is built
-    exactly as triton 3.6's ``Autotuner.run`` builds it (key args, then every tensor's dtype)."""
+def _tuning_key(tuned, args: tuple, meta: dict) -> tuple:
+    """``tuned``'s (a triton Autotuner) key for this launch, built exactly as triton 3.6's
+    ``Autotuner.run`` builds it (key args, then every tensor's dtype)."""
     all_args = {**dict(zip(tuned.arg_names, args, strict=False)), **meta}  # as triton does
     named = {k: v for k, v in all_args.items() if k in tuned.arg_names}
     key = [named[k] for k in tuned.keys if k in named]
     key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
-    return tuple(key) in tuned.cache
+    return tuple(key)
+
+
+def _tuned_already(tuned, args: tuple, meta: dict) -> bool:
+    """Whether ``tuned`` has a config for this launch's key."""
+    return _tuning_key(tuned, args, meta) in tuned.cache
 
 
 # (kernel, device, dtypes, 16-byte alignments, int args, constexprs) -> (compiled kernel, config, constexprs)
@@ -169,16 +177,33 @@ def _signature(tuned, args: tuple, meta: dict, device: torch.device) -> tuple:
     return tuple(sig)
 
 
-def _choose_config(tuned, grid, args: tuple, meta: dict) -> tuple[dict, bool]:
+def _pruned(tuned, args: tuple, meta: dict) -> list:
+    """The configs ``tuned``'s autotuner would time for this launch (its ``prune_configs``)."""
+    named = dict(zip(tuned.arg_names, args, strict=False))  # what the autotuner's prune sees
+    return tuned.early_config_prune(tuned.configs, named, **meta) if tuned.early_config_prune else tuned.configs
+
+
+def _choose_config(tuned, grid, args: tuple, meta: dict, device: torch.device) -> tuple[dict, bool]:
     """(config kwargs, launched): the tuned config, launched through the autotuner (which tunes a
-    new key first); or the first pruned config, not launched (ATTNSERVE_AUTOTUNE=0, or a key not
-    tuned before ``freeze_autotuning()``)."""
+    new key first, unless ``autotune_cache`` holds its choice: then that one is replayed, untimed);
+    or the first pruned config, not launched (ATTNSERVE_AUTOTUNE=0, or a key not tuned before
+    ``freeze_autotuning()``)."""
     if not autotune_enabled() or (_frozen and not _tuned_already(tuned, args, meta)):
-        named = dict(zip(tuned.arg_names, args, strict=False))  # what the autotuner's prune sees
-        cfg, launched = tuned.early_config_prune(tuned.configs, named, **meta)[0], False
+        cfg, launched = _pruned(tuned, args, meta)[0], False
     else:
+        key = _tuning_key(tuned, args, meta)
+        tune = (key not in tuned.cache and len(tuned.configs) > 1 and device.type == "cuda"
+                and autotune_cache.enabled())
+        if tune:
+            pruned, name = _pruned(tuned, args, meta), autotune_cache.device_name(device)
+            stored = autotune_cache.load(tuned, key, pruned, name)
+            if stored is not None:
+                tuned.cache[key] = stored  # the autotuner runs it without timing anything
+                tune = False
         tuned[grid](*args, **meta)
         cfg, launched = tuned.best_config, True
+        if tune:
+            autotune_cache.save(tuned, key, pruned, name, cfg, getattr(tuned, "configs_timings", None))
     return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, launched
 
 
@@ -201,7 +226,7 @@ def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor,
         raw[grid(cfg)](*args, **meta, **cfg)
         return True
     if not _direct:
-        cfg, launched = _choose_config(tuned, grid, args, meta)
+        cfg, launched = _choose_config(tuned, grid, args, meta, first_tensor.device)
         if not launched:
             _run_config(raw, grid, args, meta, cfg)
         return True
@@ -212,7 +237,7 @@ def launch(tuned, grid, args: tuple, meta: dict, first_tensor: torch.Tensor,
         compiled, cfg, tail = hit
         _run(compiled, grid(cfg), (*args, *tail))
         return False
-    cfg, launched = _choose_config(tuned, grid, args, meta)
+    cfg, launched = _choose_config(tuned, grid, args, meta, dev)
     consts = {**meta, **{k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}}
     compiled = raw.warmup(*args, grid=grid(cfg), **meta, **cfg)  # after the autotuner: a cache lookup
     if compiled is None:  # Triton's interpreter compiles nothing (tests that take this branch on a CPU)

@@ -2,6 +2,9 @@
 
     from kernels import warmup
     warmup(shapes=[(1, 8, 1024, 64), (1, 32, 1024, 128)], dtypes=[torch.float16], device="cuda:0")
+
+``kernels.precompile.ahead(lambda: warmup(...))`` first compiles, in parallel, every kernel variant
+such a call would compile one after another; ``kernels.autotune_cache`` keeps the tuned choices.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -135,6 +135,23 @@ class Settings(BaseSettings):
         "others run a default kernel config unless --autotune-new-shapes",
     )
     warmup_dtypes: str = Field("float16,bfloat16", description="dtypes warmed at start-up on GPUs")
+    precompile: Literal["processes", "threads", "off"] = Field(
+        "processes",
+        description="on GPUs, before the warm-up: record which Triton kernel variants it compiles (every "
+        "autotune config included) and compile those not in Triton's cache dir in parallel, in worker "
+        "processes or threads (kernels/precompile.py), so that the warm-up finds them compiled; readiness "
+        "still waits for the warm-up itself; off: the warm-up compiles them one by one",
+    )
+    precompile_workers: int = Field(
+        0, ge=0, description="processes or threads --precompile compiles on; 0: one per CPU core the server "
+        "may use (its affinity and cgroup CPU quota), at most one per GiB of available memory and 32",
+    )
+    autotune_cache: bool = Field(
+        True,
+        description="keep the autotuner's choices in Triton's cache dir (TRITON_CACHE_DIR/attnserve-autotune, "
+        "keyed by kernel, autotuning key, GPU model and Triton version), so that a restart replays them instead "
+        "of timing every config again (docs/deploy.md#kernel-cache); off: every start tunes anew",
+    )
     memory_fraction: float = Field(
         0.9,
         gt=0,

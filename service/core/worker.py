@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 import kernels
+import kernels.autotune_cache
+from kernels import precompile
 from service.core import launches, staging
 from service.core.devices import parse_dtypes, parse_shapes
 from service.core.graphs import Graphs
@@ -126,7 +128,14 @@ class Worker:
 
     def _warmup(self) -> None:
         """Compile (and autotune) the kernels for the configured shapes and for every layer, and the
-        ragged and paged kernels for their head counts and dims at --kv-page-tokens."""
+        ragged and paged kernels for their head counts and dims at --kv-page-tokens. On a GPU the
+        variants it would compile are first compiled in parallel (--precompile), then it runs."""
+        kernels.autotune_cache.set_enabled(self.settings.autotune_cache)
+        if self._cuda and self.settings.precompile != "off":
+            precompile.ahead(self._warmup_kernels, self.settings.precompile_workers, self.settings.precompile)
+        self._warmup_kernels()
+
+    def _warmup_kernels(self) -> None:
         with torch.no_grad():
             for layer in self.layers.values():  # the layer's head dim and dtype
                 x = torch.zeros(1, 16, layer.info.hidden_size, device=self.device)

@@ -139,7 +139,7 @@ def test_short_keys_at_d64_get_narrow_key_blocks(fake_tuning, monkeypatch):
         q, k, v = _qkv(torch.float16, n=n, d=d)
         flash.flash_forward(q, k, v, causal=False, scale=0.2)
         t, args, meta, _ = calls[-1]
-        cfg, launched = launch._choose_config(t, None, args, meta)
+        cfg, launched = launch._choose_config(t, None, args, meta, args[0].device)
         picks[n, d] = (cfg["BLOCK_M"], cfg["BLOCK_N"])
         assert not launched
     assert picks[128, 64] == picks[511, 40] == (128, 32)

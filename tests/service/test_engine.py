@@ -116,6 +116,43 @@ def test_ready_only_after_start_and_not_while_draining():
     asyncio.run(main())
 
 
+def test_readyz_is_503_until_the_warm_up_has_run():
+    """/readyz (and the OIP ready routes) answer 503 while a worker is still warming, 200 only
+    once its warm-up has returned: the warm-up is held at its start until the probes have asked."""
+    import httpx
+
+    from service.core.worker import Worker
+    from service.http.app import create_app
+
+    async def main():
+        settings = cpu_settings()
+        engine = Engine(settings)
+        engine.prepare()
+        worker = engine.workers[0]
+        entered, release, warmed = threading.Event(), threading.Event(), []
+
+        def held_warmup():
+            entered.set()
+            release.wait(30)
+            Worker._warmup_kernels(worker)
+            warmed.append(True)
+
+        worker._warmup_kernels = held_warmup
+        transport = httpx.ASGITransport(app=create_app(engine, settings))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            start = asyncio.create_task(engine.start())
+            assert await asyncio.to_thread(entered.wait, 30)
+            for path in ("/readyz", "/v2/health/ready"):
+                assert (await http.get(path)).status_code == 503
+            assert (await http.get("/healthz")).status_code == 200
+            release.set()
+            await start
+            assert warmed and (await http.get("/readyz")).status_code == 200
+        await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_attend_layout_lse_and_request_id():
     async def main():
         engine = Engine(cpu_settings())

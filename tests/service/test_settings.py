@@ -40,6 +40,21 @@ def test_bad_values_are_refused():
         load_settings(["--max-queue-size", "lots"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--casual"])
+    with pytest.raises(ValueError):
+        load_settings(["--precompile", "fork"])  # processes, threads or off
+    with pytest.raises(ValueError):
+        load_settings(["--precompile-workers", "-1"])
+
+
+def test_start_up_options(monkeypatch):
+    for name in ("PRECOMPILE", "PRECOMPILE_WORKERS", "AUTOTUNE_CACHE"):
+        monkeypatch.delenv(f"ATTNSERVE_{name}", raising=False)
+    s = load_settings([])
+    assert (s.precompile, s.precompile_workers, s.autotune_cache) == ("processes", 0, True)
+    monkeypatch.setenv("ATTNSERVE_PRECOMPILE", "off")
+    s = load_settings(["--precompile-workers", "4", "--no-autotune-cache"])
+    assert (s.precompile, s.precompile_workers, s.autotune_cache) == ("off", 4, False)
+    assert load_settings(["--precompile", "threads"]).precompile == "threads"
 
 
 def test_help_documents_every_option():
