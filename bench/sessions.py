@@ -31,6 +31,7 @@ import torch
 from bench.http_latency import pct
 from bench.local import local_server as bench_server
 from service.client import GrpcAttentionClient
+from service.wire.tensors import ServerTiming
 
 HAS_CUDA = torch.cuda.is_available()
 HQ, HKV, D = (32, 8, 128) if HAS_CUDA else (8, 2, 64)
@@ -83,20 +84,28 @@ def timed(call, iters: int, warmup: int = 5) -> list[float]:
 
 def step_row(client: httpx.Client, grpc_client: GrpcAttentionClient, c: int, iters: int) -> tuple:
     """(context, step bytes, step p50, p99, stateless bytes, stateless p50, p99, stateless/step,
-    gRPC step p50, p99, kernel ms)."""
+    gRPC step p50, p99, kernel ms, {Server-Timing phase: median ms of the HTTP steps})."""
     sid = create(client, c, seed=c)
     tokens = [(_rand(1, HQ, 1, D, seed=i), _rand(1, HKV, 1, D, seed=i + 1), _rand(1, HKV, 1, D, seed=i + 2))
               for i in range(8)]
     bodies = [_body(q=q, k=k, v=v) for q, k, v in tokens]
     it = iter(range(10**9))
-    step = timed(lambda: _post(client, f"/sessions/{sid}/attend", bodies[next(it) % 8]), iters)
+    phases: dict[str, list[float]] = {}
+
+    def http_step():
+        r = _post(client, f"/sessions/{sid}/attend", bodies[next(it) % 8])
+        for name, ms in ServerTiming.parse(r.headers.get("server-timing", "")).items():
+            phases.setdefault(name, []).append(ms)
+
+    step = timed(http_step, iters)
     grpc_step = timed(lambda: grpc_client.step(sid, *tokens[next(it) % 8]), iters)
     client.delete(f"/sessions/{sid}")
     stateless_body = _body(q=_rand(1, HQ, 1, D, seed=0), k=_rand(1, HKV, c, D, seed=1), v=_rand(1, HKV, c, D, seed=2))
     stateless = timed(lambda: _post(client, "/attention", stateless_body), max(5, iters // 10), warmup=2)
     s50, a50 = statistics.median(step), statistics.median(stateless)
     return (c, len(bodies[0]), s50, pct(step, 99), len(stateless_body), a50, pct(stateless, 99), a50 / s50,
-            statistics.median(grpc_step), pct(grpc_step, 99), kernel_ms([c]) if HAS_CUDA else float("nan"))
+            statistics.median(grpc_step), pct(grpc_step, 99), kernel_ms([c]) if HAS_CUDA else float("nan"),
+            {name: statistics.median(xs) for name, xs in phases.items()})
 
 
 def loop_row(client: httpx.Client, grpc_client: GrpcAttentionClient, sessions: int, layers: int, context: int,
@@ -191,9 +200,17 @@ def render(steps: list[tuple], packed: tuple | None, loop: tuple | None, command
            "", "| context | step bytes | HTTP p50 | HTTP p99 | gRPC p50 | gRPC p99 | kernel | gRPC p50 - kernel "
            "| stateless bytes | stateless p50 | stateless p99 | stateless / HTTP step |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c, sb, s50, s99, ab, a50, a99, ratio, g50, g99, kms in steps:
+    for c, sb, s50, s99, ab, a50, a99, ratio, g50, g99, kms, _ in steps:
         out.append(f"| {c} | {sb} | {s50:.3f} | {s99:.3f} | {g50:.3f} | {g99:.3f} | {kms:.3f} | {g50 - kms:.3f} "
                    f"| {ab} | {a50:.2f} | {a99:.2f} | {ratio:.1f}x |")
+    names = list(dict.fromkeys(n for *_, ph in steps for n in ph))
+    if names:  # where an HTTP step's time goes on the server (its Server-Timing, medians)
+        out += ["", "HTTP step, the server's phases (Server-Timing medians, ms); `outside` is the p50 less their sum "
+                "(the client, the socket, uvicorn and the middleware):", "",
+                "| context | " + " | ".join(names) + " | outside |", "|---|" + "---|" * (len(names) + 1)]
+        for c, _, s50, *_, ph in steps:
+            out.append(f"| {c} | " + " | ".join(f"{ph.get(n, float('nan')):.3f}" for n in names)
+                       + f" | {s50 - sum(ph.values()):.3f} |")
     if packed:
         s, lo, hi, nb, p50, p99, kms = packed
         out += ["", f"Packed step: {s} sessions of {lo}..{hi} cached tokens, one token each:", "",

@@ -132,6 +132,12 @@ class Metrics:
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
+        self.session_inline = Counter(
+            "attnserve_session_inline",
+            "Session steps that came alone and ran at once on the event loop (--session-inline-rows)",
+            ["device"],
+            registry=r,
+        )
         self.memory_used = Gauge(
             "attnserve_gpu_memory_used_bytes",
             "Device memory held by tensors (torch.cuda.memory_allocated)",

@@ -75,6 +75,10 @@ class Worker:
         self.ready = False
         self._inflight = 0  # batches submitted whose answers are not settled yet
         self._inflight_tokens = 0  # their query tokens
+        # tasks handed to the launcher thread (written on the event loop only) and finished there
+        # (written on the launcher thread only): equal, the thread is idle (``idle``)
+        self._tasks_sent = 0
+        self._tasks_done = 0
         self.memory_budget = 0
         # this device's series, looked up once (``labels()`` costs more than an observation)
         self._compute_duration = metrics.compute_duration.labels(self.name)
@@ -227,13 +231,13 @@ class Worker:
         self._inflight += 1
         self._inflight_tokens += tokens
         try:
-            self._launcher.submit(launch)
+            self._to_launcher(launch)
         except BaseException:  # e.g. the worker is shut down: the batch never ran
             self._inflight -= 1
             self._inflight_tokens -= tokens
             raise
         if self._graphs is not None and self._graphs.wanted:  # after this launch: its caller does not wait
-            self._launcher.submit(self._graphs.capture_wanted, self._launch_lock())
+            self._to_launcher(self._graphs.capture_wanted, self._launch_lock())
         return answered
 
     def run_on_device(self, fn: Callable[[Any], tuple[Any, Any]]) -> asyncio.Future:
@@ -263,9 +267,8 @@ class Worker:
             loop.call_soon_threadsafe(settle, *answer)
 
         def launch() -> None:
-            stream = torch.cuda.stream(self._compute_stream) if self._cuda else contextlib.nullcontext()
             try:
-                with torch.no_grad(), stream:
+                with torch.no_grad(), self._on_compute_stream():
                     value, done = fn(self._launch_lock())
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 loop.call_soon_threadsafe(settle, None, exc)
@@ -275,8 +278,42 @@ class Worker:
             else:
                 finish(value, None)
 
-        self._launcher.submit(launch)
+        self._to_launcher(launch)
         return answered
+
+    @property
+    def idle(self) -> bool:
+        """Warm, with no batch in flight and nothing queued or running on the launcher thread: what
+        ``run_inline`` needs. (Event loop.)"""
+        return self.ready and self._inflight == 0 and self._tasks_sent == self._tasks_done
+
+    def run_inline(self, fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, float]:
+        """Event loop, only while ``idle``: what ``run_on_device(fn)`` would give, computed here and
+        now, waiting for the device. Nothing else can reach the device or the launcher thread
+        meanwhile (only the loop hands them work), so ``fn`` may touch what the launcher thread owns
+        (the sessions' page tables). It saves the two thread hand-offs and the loop's wake-up of a
+        step that comes alone (``service.sessions.scheduler``)."""
+        device = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+        with torch.no_grad(), device, self._on_compute_stream():
+            value, done = fn(self._launch_lock())
+        if done is not None:
+            done.synchronize()
+        return value, time.perf_counter()
+
+    def _on_compute_stream(self):
+        return torch.cuda.stream(self._compute_stream) if self._cuda else contextlib.nullcontext()
+
+    def _to_launcher(self, fn: Callable, *args: Any) -> None:
+        """Hand ``fn(*args)`` to the launcher thread, counted until it returns (``idle``)."""
+
+        def counted() -> None:
+            try:
+                fn(*args)
+            finally:
+                self._tasks_done += 1
+
+        self._launcher.submit(counted)
+        self._tasks_sent += 1
 
     # ---- small requests at once: CUDA graphs --------------------------------------------------
 

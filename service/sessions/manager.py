@@ -308,7 +308,8 @@ class SessionManager:
     async def _run(self, step: SessionStep, works: list[Work]) -> SessionResult:
         workers = [w.seqs[0].session.worker for w in works]
         try:
-            futures = [self.schedulers[i].submit(w) for i, w in zip(workers, works, strict=True)]
+            alone = len(works) == 1  # a step over several workers runs on them in parallel, not one by one inline
+            futures = [self.schedulers[i].submit(w, alone) for i, w in zip(workers, works, strict=True)]
             outcomes = await asyncio.gather(*futures, return_exceptions=True)
             error = next((o for o in outcomes if isinstance(o, BaseException)), None)
             if error is None and time.monotonic() > step.deadline:

@@ -13,7 +13,11 @@ Order: a work holds its (session, layer) pairs from launch until its step is ans
 a work with a pair held, or held by an earlier work still queued, waits. So steps on one (session,
 layer) take effect in the order accepted, and a failed step can still be undone (``truncate``).
 
-One launch (``launch_steps``, on the worker's launcher thread): reserve each work's pages (a work
+A work that comes alone (``--session-inline-rows``: at most that many rows, its worker idle, the
+queue empty, its pairs free, no work accepted in the last ``ALONE_GAP_S``) does not queue: it runs at
+once on the event loop (``Worker.run_inline``), as a lone stateless request replays its CUDA graph.
+
+One launch (``launch_steps``, on the worker's launcher thread, or inline): reserve each work's pages (a work
 that does not fit fails alone with 507, its sessions' lengths unchanged), stage q/k/v, one
 ``kernels.append_paged``, one ``kernels.attention_paged`` over the works' block tables, copy o and
 lse back. If the launch raises, every reservation is rolled back; after a device out-of-memory
@@ -25,15 +29,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 import kernels
+from service.core.batcher import ALONE_GAP_S
 from service.errors import DeadlineExceeded, InvalidInput, NotFound, ServiceError, Unavailable, from_kernel_error
 from service.sessions.cache import Geometry, KVCache, Reservation, SequenceKV
 from service.sessions.step import SessionStep
@@ -195,26 +201,37 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
                 v_parts.append(w.step.v[a:b])
     n_seq = len(tables)
     width = max(1, max(len(t) for t in tables))
-    # one int32 host tensor for every index: cu_q (S+1), cu_new (S+1), before (S), after (S), table (S, width);
-    # written through a numpy view (each table row is an int32 array: one copy, no conversion)
+    # every index in one int32 vector: cu_q (S+1), cu_new (S+1), before (S), after (S), table (S, width)
     flat = cu_q + cu_new + before + after
-    host = torch.zeros(len(flat) + n_seq * width, dtype=torch.int32, pin_memory=cuda)
+    t_q, t_new = cu_q[-1], cu_new[-1]
+    hq, d, hkv = first.heads_q, first.head_dim, works[0].geometry.num_kv_heads
+    dtype = first.q.dtype
+    shapes = [(torch.int32, (len(flat) + n_seq * width,)), (dtype, (t_q, hq, d))]
+    if k_parts:
+        shapes += [(dtype, (t_new, hkv, d)), (dtype, (t_new, hkv, d))]
+    if slopes:
+        shapes.append((torch.float32, (n_seq, hq)))
+    # on a GPU: one pinned buffer and one host->device copy for all of them (each copy costs host time)
+    host_buf, host_t = _carve(shapes, pin=cuda)
+    host = host_t[0]
     view = host.numpy()
     view[: len(flat)] = flat
     rows = view[len(flat):].reshape(n_seq, width)
-    for i, t in enumerate(tables):
+    rows[:] = 0
+    for i, t in enumerate(tables):  # each table row is an int32 array: one copy, no conversion
         rows[i, : len(t)] = t
-    q = _host_cat(q_parts, pin=cuda)  # (ΣT, Hq, D)
-    k = _host_cat(k_parts, pin=cuda) if k_parts else None  # (ΣT_new, Hkv, D)
-    v = _host_cat(v_parts, pin=cuda) if v_parts else None
-    alibi = _host_cat(slopes, pin=cuda) if slopes else None  # (S, Hq) float32
-    index = host
+    _cat(q_parts, host_t[1])
+    if k_parts:
+        _cat(k_parts, host_t[2])
+        _cat(v_parts, host_t[3])
+    if slopes:
+        _cat(slopes, host_t[-1])
+    dev_t = host_t
     if cuda:
-        index, q = host.to(device, non_blocking=True), q.to(device, non_blocking=True)
-        if alibi is not None:
-            alibi = alibi.to(device, non_blocking=True)
-        if k is not None:
-            k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+        dev_t = _carve(shapes, buffer=host_buf.to(device, non_blocking=True))[1]
+    index, q = dev_t[0], dev_t[1]
+    k, v = (dev_t[2], dev_t[3]) if k_parts else (None, None)
+    alibi = dev_t[-1] if slopes else None
     s1 = n_seq + 1
     d_cu_q, d_cu_new = index[:s1], index[s1 : 2 * s1]
     d_before, d_after = index[2 * s1 : 2 * s1 + n_seq], index[2 * s1 + n_seq : 2 * s1 + 2 * n_seq]
@@ -253,12 +270,26 @@ def _runs(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _host_cat(parts: list[torch.Tensor], pin: bool) -> torch.Tensor:
-    if not pin and len(parts) == 1:
-        return parts[0].contiguous()
-    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=pin)
-    torch.cat(parts, out=out)
-    return out
+def _carve(shapes: list[tuple[torch.dtype, tuple[int, ...]]], pin: bool = False,
+           buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One uint8 buffer (new, pinned if ``pin``, or ``buffer``) and a tensor of each (dtype, shape)
+    in it, each starting at a multiple of 16 bytes."""
+    offsets, end = [], 0
+    for dt, shape in shapes:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dt.itemsize // 16) * 16
+    if buffer is None:
+        buffer = torch.empty(max(end, 16), dtype=torch.uint8, pin_memory=pin)
+    views = [buffer[at : at + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+             for at, (dt, shape) in zip(offsets, shapes, strict=True)]
+    return buffer, views
+
+
+def _cat(parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    if len(parts) == 1:
+        out.copy_(parts[0])
+    else:
+        torch.cat(parts, out=out)
 
 
 # ---------------------------------------------------------------- the scheduler (event loop)
@@ -275,9 +306,18 @@ class StepScheduler:
         self.busy: set[tuple[str, int]] = set()  # (session, layer) pairs of works launched, not yet done
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self._last_arrival = float("-inf")  # time.monotonic() of the last work submitted
         self._batch_size = metrics.session_batch_size.labels(worker.name)
+        self._inline = metrics.session_inline.labels(worker.name)
 
-    def submit(self, work: Work) -> asyncio.Future:
+    def submit(self, work: Work, alone: bool = True) -> asyncio.Future:
+        """Queue ``work`` (or run it now, when it comes ``alone`` and may: the module docstring);
+        its future gives (o, lse, stamps) or the step's error."""
+        since, self._last_arrival = self._last_arrival, work.enqueued
+        if alone and self._may_run_now(work, work.enqueued - since):
+            self._run_now(work)
+            self._last_arrival = time.monotonic()  # what arrives during the call came in a burst
+            return work.future
         self.queue.append(work)
         self.tokens += work.tokens
         if work.step.deadline is not None:
@@ -364,17 +404,42 @@ class StepScheduler:
         self.tokens -= tokens
         return batch
 
+    def _may_run_now(self, work: Work, gap: float) -> bool:
+        return (
+            0 < work.tokens <= self.settings.session_inline_rows
+            and gap >= ALONE_GAP_S
+            and not self.queue
+            and self.inflight == 0
+            and not (work.pairs & self.busy)
+            and self.worker.idle
+        )
+
+    def _run_now(self, work: Work) -> None:
+        work.launched = True
+        self.busy |= work.pairs
+        self.inflight += 1
+        self._batch_size.observe(1)
+        self._inline.inc()
+        handed = time.perf_counter()
+        try:
+            answers = self.worker.run_inline(lambda lock: launch_steps(self.cache, [work], lock))
+        except Exception as exc:  # noqa: BLE001 - a device error after the launch: its work fails
+            self._finished([work], lambda exc=exc: _raise(exc), handed)
+        else:
+            self._finished([work], lambda: answers, handed)
+
     def _launch(self, batch: list[Work]) -> None:
         self.inflight += 1
         self._batch_size.observe(len(batch))
         handed = time.perf_counter()
         answers = self.worker.run_on_device(lambda lock: launch_steps(self.cache, batch, lock))
-        answers.add_done_callback(lambda f: self._finished(batch, f, handed))
+        answers.add_done_callback(lambda f: self._finished(batch, f.result, handed))
 
-    def _finished(self, batch: list[Work], answers: asyncio.Future, handed: float) -> None:
+    def _finished(self, batch: list[Work], answers: Callable[[], tuple], handed: float) -> None:
+        """``answers()`` gives what ``launch_steps`` returned and when its event completed, or raises."""
         self.inflight -= 1
         try:
-            (parts, failed), settled = answers.result()
+            (parts, failed), settled = answers()
         except Exception as exc:  # noqa: BLE001 - a device error after the launch: its works fail
             log.error("session launch on %s failed: %r", self.worker.name, exc, exc_info=exc)
             error = exc if isinstance(exc, ServiceError) else ServiceError("internal error while running the step")
@@ -391,3 +456,7 @@ class StepScheduler:
                     w.future.set_result((part.o[at : at + n], part.lse[:, at : at + n], stamps))
                 at += n
         self._soon()
+
+
+def _raise(exc: BaseException):
+    raise exc

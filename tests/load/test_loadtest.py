@@ -475,14 +475,19 @@ def test_session_reference_accepts_the_answer_and_fails_anything_else(plan):
 
 def test_session_benchmark_prints_every_table_on_the_cpu():
     """bench/sessions.py end to end on a CPU server of its own (tiny sizes): the step rows over
-    HTTP and gRPC, the packed row and the decode-loop row, with numbers in them."""
+    HTTP and gRPC, the HTTP step's server phases, the packed row and the decode-loop row, with
+    numbers in them."""
     cmd = [sys.executable, "-m", "bench.sessions", "--device", "cpu", "--contexts", "32", "--iters", "3",
            "--packed", "2", "--loop-sessions", "2", "--loop-layers", "2", "--loop-context", "8", "--loop-tokens", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 3, proc.stdout
-    step, packed, loop = (r.strip("|").split("|") for r in rows)
+    assert len(rows) == 4, proc.stdout
+    step, phases, packed, loop = (r.strip("|").split("|") for r in rows)
     assert step[0].strip() == "32" and float(step[2]) > 0 and float(step[4]) > 0  # HTTP and gRPC p50
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| context | read |"))
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert {"read", "decode", "queue", "stage", "launch", "device", "return", "encode", "outside"} <= set(names)
+    assert phases[0].strip() == "32" and all(float(x) >= 0 for x in phases[1:-1])
     assert packed[0].strip() == "2" and float(packed[2]) > 0
     assert loop[:3] == [" 2 ", " 2 ", " 8 "] and float(loop[3]) > 0  # tokens/s

@@ -402,6 +402,32 @@ def _packed_equals_alone(http, dtype: str, hq: int, hkv: int, d: int, n_s: int) 
     assert metric(http, "attnserve_session_batch_size_count") >= 1
 
 
+def test_steps_run_at_once_on_the_loop_have_the_bits_of_queued_ones(http, tmp_path):
+    """A step that comes alone runs inline (--session-inline-rows): the same steps on a server that
+    always queues them (0) give the same bits, lengths and lse; the counter tells which ran how."""
+    def run(c):
+        sid = create(c, layers=2)["session"]
+        out = []
+        for i, (n, layer) in enumerate([(9, 0), (1, 0), (6, 1), (1, 1), (1, 0), (70, 0)]):  # 70 > 64 rows: queued
+            q, k, v = (rand(1, h, n, D, seed=7 * i + j) for j, h in enumerate((HQ, HKV, HKV)))
+            out.append(step(c, sid, q, k, v, layer=layer, return_lse=True))
+        out.append(step(c, sid, rand(1, HQ, 3, D, seed=5)))  # q-only
+        return out, lengths(c, sid)
+
+    inline0 = metric(http, "attnserve_session_inline_total")
+    inline_out, inline_lengths = run(http)
+    assert metric(http, "attnserve_session_inline_total") - inline0 == 6  # all but the 70-row step
+    with run_server(tmp_path, *FAST, "--kv-page-tokens", "5", "--session-inline-rows", "0") as s, \
+            httpx.Client(base_url=s.url, timeout=60.0) as c:
+        queued_out, queued_lengths = run(c)
+        assert metric(c, "attnserve_session_inline_total") == 0
+    assert inline_lengths == queued_lengths == [9 + 1 + 1 + 70, 6 + 1]
+    for a, b in zip(inline_out, queued_out, strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
 def test_packed_steps_have_the_bits_of_single_steps(http):
     _packed_equals_alone(http, "float32", HQ, HKV, D, n_s=4)
 
