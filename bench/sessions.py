@@ -149,11 +149,18 @@ def packed_row(client: httpx.Client, sessions: int, max_context: int, iters: int
     q, k, v = _rand(sessions, HQ, D, seed=1), _rand(sessions, HKV, D, seed=2), _rand(sessions, HKV, D, seed=3)
     body = st.save({"q": q, "k": k, "v": v, "q_lengths": torch.ones(sessions, dtype=torch.int32)},
                    metadata={"sessions": ",".join(ids)})
-    xs = timed(lambda: _post(client, "/sessions/attend", body), iters)
+    phases: dict[str, list[float]] = {}
+
+    def post():
+        r = _post(client, "/sessions/attend", body)
+        for name, ms in ServerTiming.parse(r.headers.get("server-timing", "")).items():
+            phases.setdefault(name, []).append(ms)
+
+    xs = timed(post, iters)
     for sid in ids:
         client.delete(f"/sessions/{sid}")
     return sessions, min(lengths), max(lengths), len(body), statistics.median(xs), pct(xs, 99), \
-        kernel_ms(lengths) if HAS_CUDA else float("nan")
+        kernel_ms(lengths) if HAS_CUDA else float("nan"), {name: statistics.median(x) for name, x in phases.items()}
 
 
 def kernel_ms(lengths: list[int], page: int = 64) -> float:
@@ -203,16 +210,19 @@ def render(steps: list[tuple], packed: tuple | None, loop: tuple | None, command
     for c, sb, s50, s99, ab, a50, a99, ratio, g50, g99, kms, _ in steps:
         out.append(f"| {c} | {sb} | {s50:.3f} | {s99:.3f} | {g50:.3f} | {g99:.3f} | {kms:.3f} | {g50 - kms:.3f} "
                    f"| {ab} | {a50:.2f} | {a99:.2f} | {ratio:.1f}x |")
-    names = list(dict.fromkeys(n for *_, ph in steps for n in ph))
+    timed_rows = [(str(c), s50, ph) for c, _, s50, *_, ph in steps]
+    if packed:
+        timed_rows.append((f"packed {packed[0]}", packed[4], packed[-1]))
+    names = list(dict.fromkeys(n for *_, ph in timed_rows for n in ph))
     if names:  # where an HTTP step's time goes on the server (its Server-Timing, medians)
-        out += ["", "HTTP step, the server's phases (Server-Timing medians, ms); `outside` is the p50 less their sum "
-                "(the client, the socket, uvicorn and the middleware):", "",
+        out += ["", "HTTP steps, the server's phases (Server-Timing medians, ms); `outside` is the p50 less their "
+                "sum (the client, the socket, uvicorn and the middleware):", "",
                 "| context | " + " | ".join(names) + " | outside |", "|---|" + "---|" * (len(names) + 1)]
-        for c, _, s50, *_, ph in steps:
+        for c, s50, ph in timed_rows:
             out.append(f"| {c} | " + " | ".join(f"{ph.get(n, float('nan')):.3f}" for n in names)
                        + f" | {s50 - sum(ph.values()):.3f} |")
     if packed:
-        s, lo, hi, nb, p50, p99, kms = packed
+        s, lo, hi, nb, p50, p99, kms, _ = packed
         out += ["", f"Packed step: {s} sessions of {lo}..{hi} cached tokens, one token each:", "",
                 "| sessions | body bytes | p50 ms | p99 ms | kernel ms (append + attention) | p50 / kernel |",
                 "|---|---|---|---|---|---|", f"| {s} | {nb} | {p50:.3f} | {p99:.3f} | {kms:.3f} | {p50 / kms:.2f} |"]
@@ -229,6 +239,14 @@ def local_server(device: str):
     """A server of this benchmark's own, warmed for its geometry (its paged kernels too)."""
     return bench_server("--device", device, "--processes", "1", "--request-timeout-ms", "600000",
                         "--warmup-shapes", f"1x{HKV}x128x{D}", "--warmup-dtypes", str(DTYPE).removeprefix("torch."))
+
+
+def _progress(what: str, fn, *args):
+    """``fn(*args)``, its row and seconds on stderr as it finishes (the tables come at the end)."""
+    t0 = time.perf_counter()
+    row = fn(*args)
+    print(f"{what}: {time.perf_counter() - t0:.1f} s: {row}", file=sys.stderr, flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -250,10 +268,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def go(url: str, target: str) -> str:
         with httpx.Client(base_url=url, timeout=600) as client, GrpcAttentionClient(target, timeout=600) as g:
-            steps = [step_row(client, g, c, args.iters) for c in contexts]
-            packed = packed_row(client, args.packed, max(contexts), max(5, args.iters // 4)) if args.packed else None
-            loop = loop_row(client, g, args.loop_sessions, args.loop_layers, args.loop_context,
-                            args.loop_tokens) if args.loop_sessions else None
+            steps = [_progress(f"step at {c}", step_row, client, g, c, args.iters) for c in contexts]
+            packed = _progress("packed", packed_row, client, args.packed, max(contexts),
+                               max(5, args.iters // 4)) if args.packed else None
+            loop = _progress("loop", loop_row, client, g, args.loop_sessions, args.loop_layers, args.loop_context,
+                             args.loop_tokens) if args.loop_sessions else None
         return render(steps, packed, loop, command)
 
     if args.url:

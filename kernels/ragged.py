@@ -159,24 +159,89 @@ class Plan:
                 (self.chunk, self.cfgs[2], False)]
 
 
+SMALL_PLAN_ITEMS = 256  # up to this many work items a plan is listed in plain Python (numpy's per-call cost dominates)
+
+
 def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
                hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
                interpret: bool) -> Plan:
     """Plan every sequence alone (``sequence_plan``) and list the work items: per sequence, its row
     tiles by its key splits, in that order; prefill and chunk items are then ordered longest first
-    (better tail balance; the order changes no bits). Built with numpy over every item at once: a step of
-    many long sequences has hundreds of split items, and this runs on every call whose lengths
-    are new (a decode step's are, each step)."""
+    (better tail balance; the order changes no bits). This runs on every call whose lengths are new
+    (a decode step's are, each step): a plan of at most ``SMALL_PLAN_ITEMS`` items is listed in
+    plain Python, a larger one (a step of many long sequences has hundreds of split items) with
+    numpy over every item at once; both give the same plan."""
     cfgs = tuple(kernel_config(c, d, dtype, interpret) for c in CLASSES)
     block_ms = tuple(c.block_m for c in cfgs)
     sms = num_sms(device)
-    n_seq = len(q_lens)
-    nq = np.asarray(q_lens, dtype=np.int64).reshape(-1)
-    nk = np.asarray(k_lens, dtype=np.int64).reshape(-1)
+    nq_l = [int(x) for x in q_lens]
+    nk_l = [int(x) for x in k_lens]
+    plans = [sequence_plan(a, b, hq, hkv, block_ms, sms) if a > 0 else (1, 0, 1, 0)
+             for a, b in zip(nq_l, nk_l, strict=True)]
+    if sum(p[1] * p[2] for p in plans) <= SMALL_PLAN_ITEMS:
+        flat, shapes, part_rows = _list_plan(nq_l, nk_l, k_starts, plans, block_ms, causal)
+    else:
+        flat, shapes, part_rows = _numpy_plan(nq_l, nk_l, k_starts, plans, block_ms, causal)
+    # one int32 buffer; on a GPU pinned and copied in stream order (a pageable copy would wait for the device)
+    cuda = device.type == "cuda"
+    host = torch.empty(max(1, len(flat)), dtype=torch.int32, pin_memory=cuda)
+    host.numpy()[: len(flat)] = flat
+    buf = host.to(device, non_blocking=True) if cuda else host
+    views, at = [], 0
+    for rows, width in shapes:
+        views.append(buf[at:at + rows * width].view(rows, width))
+        at += rows * width
+    return Plan(*views, part_rows=part_rows, cfgs=cfgs)
+
+
+def _list_plan(nq: list[int], nk: list[int], k_starts: Sequence[int] | None, plans: list[tuple[int, ...]],
+               block_ms: tuple[int, ...], causal: bool) -> tuple[list[int], list[tuple[int, int]], int]:
+    """``build_plan``'s buffer as one flat list: seq rows, decode, prefill, chunk items, merge rows,
+    with their (rows, width); and the partial rows."""
+    seq_rows: list[int] = []
+    work: list[list[tuple[int, ...]]] = [[] for _ in CLASSES]
+    cost: list[list[int]] = [[] for _ in CLASSES]
+    merge: list[int] = []
+    part_rows = q0 = 0
+    for s, (n_q, n_k) in enumerate(zip(nq, nk, strict=True)):
+        seq_rows += (q0, n_q, 0 if k_starts is None else int(k_starts[s]), n_k)
+        if n_q > 0:
+            cls, tiles, splits, kps = plans[s]
+            base = -1
+            if splits > 1:
+                base, part_rows = part_rows, part_rows + splits * n_q
+                for i in range(n_q):
+                    merge += (q0 + i, base + i, n_q, splits)
+            for tile in range(tiles):
+                for j in range(splits):
+                    k0 = j * kps
+                    k1 = min(k0 + kps, n_k)
+                    work[cls].append((s, tile, k0, k1, base + j * n_q if splits > 1 else -1))
+                    if cls > 0:
+                        hi = min(k1, (tile + 1) * block_ms[cls] + n_k - n_q) if causal else k1
+                        cost[cls].append(k0 - hi)
+        q0 += n_q
+    flat = seq_rows
+    shapes = [(len(nq), 4)]
+    for c, items in enumerate(work):
+        if c > 0 and items:  # row tiles: longest first (a stable sort, as numpy's below)
+            items = [items[i] for i in sorted(range(len(items)), key=cost[c].__getitem__)]
+        for item in items:
+            flat += item
+        shapes.append((len(items), 5))
+    flat += merge
+    shapes.append((len(merge) // 4, 4))
+    return flat, shapes, part_rows
+
+
+def _numpy_plan(nq_l: list[int], nk_l: list[int], k_starts: Sequence[int] | None, plans: list[tuple[int, ...]],
+                block_ms: tuple[int, ...], causal: bool) -> tuple[np.ndarray, list[tuple[int, int]], int]:
+    """``_list_plan``'s buffer, built with numpy over every item at once."""
+    n_seq = len(nq_l)
+    nq = np.asarray(nq_l, dtype=np.int64).reshape(-1)
+    nk = np.asarray(nk_l, dtype=np.int64).reshape(-1)
     q0 = np.concatenate([[0], np.cumsum(nq)[:-1]]) if n_seq else np.zeros(0, np.int64)
     ks = np.zeros(n_seq, np.int64) if k_starts is None else np.asarray(k_starts, dtype=np.int64).reshape(-1)
-    plans = [sequence_plan(int(a), int(b), hq, hkv, block_ms, sms) if a > 0 else (1, 0, 1, 0)
-             for a, b in zip(nq.tolist(), nk.tolist(), strict=True)]
     cls = np.asarray([p[0] for p in plans], dtype=np.int64).reshape(-1)
     tiles = np.asarray([p[1] for p in plans], dtype=np.int64).reshape(-1)
     splits = np.asarray([p[2] for p in plans], dtype=np.int64).reshape(-1)
@@ -212,14 +277,7 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
     merge = np.stack([q0[m_s] + m_i, base[m_s] + m_i, nq[m_s], splits[m_s]], axis=1).astype(np.int32).reshape(-1, 4)
     seq_rows = np.stack([q0, nq, ks, nk], axis=1).astype(np.int32).reshape(-1, 4)
     parts = [seq_rows, *work, merge]
-    buf = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32))
-    if device.type == "cuda":  # from pinned memory, in stream order: a pageable copy would wait for the device
-        buf = buf.pin_memory().to(device, non_blocking=True)
-    views, at = [], 0
-    for p in parts:
-        views.append(buf[at:at + p.size].view(p.shape))
-        at += p.size
-    return Plan(*views, part_rows=part_rows, cfgs=cfgs)
+    return np.concatenate([p.reshape(-1) for p in parts]), [p.shape for p in parts], part_rows
 
 
 @functools.lru_cache(maxsize=256)

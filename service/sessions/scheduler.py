@@ -248,8 +248,7 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
                                          alibi_slopes=alibi)
     done = None
     if cuda:
-        o_host = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
-        lse_host = torch.empty(lse.shape, dtype=lse.dtype, pin_memory=True)
+        _, (o_host, lse_host) = _carve([(o.dtype, tuple(o.shape)), (lse.dtype, tuple(lse.shape))], pin=True)
         o_host.copy_(o, non_blocking=True)
         lse_host.copy_(lse, non_blocking=True)
         done = torch.cuda.Event()

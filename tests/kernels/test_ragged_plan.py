@@ -1,6 +1,7 @@
-"""kernels.ragged.build_plan, built with numpy over every work item at once, against the plan's
-definition written as the plain loop over sequences, row tiles and key splits: the same seq rows,
-decode, prefill and chunk items (prefill and chunk longest first, stably), merge rows and partial-row count."""
+"""kernels.ragged.build_plan, listed in plain Python (small plans) and with numpy over every work
+item at once (large ones), against the plan's definition written as the plain loop over sequences,
+row tiles and key splits: the same seq rows, decode, prefill and chunk items (prefill and chunk
+longest first, stably), merge rows and partial-row count."""
 
 from __future__ import annotations
 
@@ -59,11 +60,13 @@ def cases():
         yield q, k, starts
 
 
+@pytest.mark.parametrize("small", [0, 256, 10**9], ids=["numpy", "default", "lists"])
 @pytest.mark.parametrize("sms", [16, 132])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(32, 8), (4, 4), (8, 1)])
-def test_build_plan_equals_the_loop(monkeypatch, sms, causal, heads):
+def test_build_plan_equals_the_loop(monkeypatch, small, sms, causal, heads):
     monkeypatch.setattr(ragged, "num_sms", lambda device: sms)
+    monkeypatch.setattr(ragged, "SMALL_PLAN_ITEMS", small)  # 0: always numpy; 10**9: always lists
     hq, hkv = heads
     for q_lens, k_lens, starts in cases():
         plan = ragged.build_plan(q_lens, k_lens, starts, hq, hkv, 128, torch.bfloat16, torch.device("cpu"),

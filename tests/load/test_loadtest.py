@@ -475,7 +475,7 @@ def test_session_reference_accepts_the_answer_and_fails_anything_else(plan):
 
 def test_session_benchmark_prints_every_table_on_the_cpu():
     """bench/sessions.py end to end on a CPU server of its own (tiny sizes): the step rows over
-    HTTP and gRPC, the HTTP step's server phases, the packed row and the decode-loop row, with
+    HTTP and gRPC, the HTTP steps' server phases (single and packed), the packed row and the decode-loop row, with
     numbers in them."""
     cmd = [sys.executable, "-m", "bench.sessions", "--device", "cpu", "--contexts", "32", "--iters", "3",
            "--packed", "2", "--loop-sessions", "2", "--loop-layers", "2", "--loop-context", "8", "--loop-tokens", "2"]
@@ -489,5 +489,7 @@ def test_session_benchmark_prints_every_table_on_the_cpu():
     names = [c.strip() for c in header.strip("|").split("|")]
     assert {"read", "decode", "queue", "stage", "launch", "device", "return", "encode", "outside"} <= set(names)
     assert phases[0].strip() == "32" and all(float(x) >= 0 for x in phases[1:-1])
+    packed_phases = next(line for line in proc.stdout.splitlines() if line.startswith("| packed 2 |"))
+    assert all(float(x) >= 0 for x in packed_phases.strip("|").split("|")[1:-1])
     assert packed[0].strip() == "2" and float(packed[2]) > 0
     assert loop[:3] == [" 2 ", " 2 ", " 8 "] and float(loop[3]) > 0  # tokens/s
