@@ -321,13 +321,58 @@ def sweep(log) -> list[dict]:
     return rows
 
 
+def split_sweep(log, waves=(1, 2, 3, 4)) -> list[dict]:
+    """The paged decode rows at each ``kernels.ragged.SPLIT_WAVES`` (how many waves of programs a
+    short sequence's key splits fill): GB/s of K+V, device time, rotated inputs, plan cached."""
+    import kernels.ragged as rg
+
+    shipped = rg.SPLIT_WAVES
+    rows = []
+    for b, spec in DECODE:
+        lens = decode_lengths(b, spec, seed=b)
+        work = 2 * sum(lens) * HKV * D * DTYPE.itemsize
+        copies = n_copies(work)
+        qs = [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+        for page in PAGES:
+            caches = [paged_cache(lens, page, seed=i) for i in range(copies)]
+            fns = [functools.partial(flash_ragged, qq, kp, vp, [1] * b, lens, causal=True, scale=D ** -0.5,
+                                     block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
+            row: dict = {"B": b, "keys": spec if isinstance(spec, int) else f"{spec[0]}..{spec[1]}", "page": page}
+            for w in waves:
+                rg.SPLIT_WAVES = w
+                rg.sequence_plan.cache_clear()
+                rg.cached_plan.cache_clear()
+                splits = rg.sequence_plan(1, lens[0], HQ, HKV, (16, 128, 64), rg.num_sms(torch.device("cuda")))[2]
+                for fn in fns:
+                    fn()
+                torch.cuda.synchronize()
+                row[f"waves{w}"] = round(work / rotated_ms(fns) / 1e6)
+                row[f"splits{w}"] = splits
+            rg.SPLIT_WAVES = shipped
+            rg.sequence_plan.cache_clear()
+            rg.cached_plan.cache_clear()
+            log("  split sweep " + ", ".join(f"{k}={v}" for k, v in row.items()))
+            rows.append(row)
+            del caches, fns
+            torch.cuda.empty_cache()
+    return rows
+
+
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="ragged_fwd's launch configs on the paged section's shapes")
-    ap.add_argument("--sweep", action="store_true", required=True)
+    ap = argparse.ArgumentParser(description="ragged_fwd's launch configs and split counts on the paged section's "
+                                             "shapes")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--sweep", action="store_true", help="each class's launch config replaced in turn")
+    mode.add_argument("--split-sweep", action="store_true", help="the decode rows at SPLIT_WAVES 1..4")
     ap.add_argument("--out", default="paged_sweep.md")
     a = ap.parse_args()
+    if a.split_sweep:
+        text = _table(split_sweep(print))
+        Path(a.out).write_text(text + "\n")
+        print(text)
+        raise SystemExit(0)
     rows = sweep(print)
     text = "\n\n".join(_table([r for r in rows if r["case"].startswith(p)]) for p in ("chunk", "ragged", "decode"))
     Path(a.out).write_text(text + "\n")

@@ -49,6 +49,7 @@ RAGGED_KERNELS = ("auto", "flash", "reference")
 PACK_ROWS = 64            # a sequence whose GQA group × n_q rows fit here is planned as decode
 SPLIT_KEY_QUANTUM = 256   # split boundaries are multiples of this many keys (a multiple of every BLOCK_N)
 MAX_SPLITS = 64
+SPLIT_WAVES = 1           # a short sequence is split into about this many waves of programs over the SMs
 
 
 # ---- the plan ----
@@ -134,7 +135,7 @@ def sequence_plan(n_q: int, n_k: int, hq: int, hkv: int, block_ms: tuple[int, in
     programs = tiles * (hkv if decode else hq)
     splits = 1
     if (decode or n_q <= 64) and programs < sms and n_k >= 2 * SPLIT_KEY_QUANTUM:
-        splits = min(_cdiv(sms, programs), n_k // SPLIT_KEY_QUANTUM, MAX_SPLITS)
+        splits = min(_cdiv(SPLIT_WAVES * sms, programs), n_k // SPLIT_KEY_QUANTUM, MAX_SPLITS)
     if splits == 1:
         return cls, tiles, 1, n_k
     kps = _cdiv(_cdiv(n_k, splits), SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
