@@ -62,25 +62,31 @@ def _bad_entries(block_table: torch.Tensor, cache_lens: torch.Tensor, page: int,
     return cols & ((block_table < 0) | (block_table >= n_pages))
 
 
-def _bad_entries_host(block_table: torch.Tensor, cache_lens: torch.Tensor, page: int, n_pages: int) -> torch.Tensor:
-    """``_bad_entries`` of CPU tensors, in numpy (a few microseconds where torch's ops cost ten each)."""
-    bt, cl = block_table.numpy(), cache_lens.numpy()
-    need = (np.maximum(cl.astype(np.int64), 0) + page - 1) // page
-    cols = np.arange(bt.shape[1])[None, :] < need[:, None]
-    return torch.from_numpy(cols & ((bt < 0) | (bt >= n_pages)))
+def _any_bad_host(block_table: torch.Tensor, lens: list[int], page: int, n_pages: int) -> bool:
+    """Whether an entry a sequence reads names no page, for a CPU table: row by row for a few
+    sequences (one numpy reduction a row, where a vectorised mask costs ten calls), else at once.
+    Read as uint32, a negative index is at least 2**31, past any page count."""
+    bt = block_table.numpy()
+    need = [-(-max(n, 0) // page) for n in lens]
+    if len(need) <= 16:
+        unsigned = bt.view(np.uint32)
+        return any(k and unsigned[s, :k].max() >= n_pages for s, k in enumerate(need))
+    cols = np.arange(bt.shape[1])[None, :] < np.asarray(need)[:, None]
+    return bool((cols & ((bt < 0) | (bt >= n_pages))).any())
 
 
 def _check_coverage(lens: list[int], block_table: torch.Tensor, page: int, n_pages: int, what: str,
-                    bad: torch.Tensor | None = None, any_bad: bool = False) -> None:
-    """Every sequence's table row holds its first cdiv(lens[s], page) pages, and (``any_bad``, from
-    ``_bad_entries``' mask ``bad``; on the CPU computed here) those entries name existing pages."""
+                    bad: torch.Tensor | None = None, any_bad: bool | None = None) -> None:
+    """Every sequence's table row holds its first cdiv(lens[s], page) pages, and (``any_bad``, with
+    ``_bad_entries``' mask ``bad``; for a CPU table computed here unless given) those entries name
+    existing pages."""
     max_pages = block_table.shape[1]
     need = [-(-n // page) for n in lens]
     short = next((s for s, n in enumerate(need) if n > max_pages), None)
     if short is not None:
         raise BlockTableError(f"sequence {short} needs {need[short]} pages for {lens[short]} keys {what} "
                               f"(page_tokens {page}) but block_table has {max_pages} columns")
-    if bad is None and block_table.device.type == "cpu" and need:
+    if any_bad is None and block_table.device.type == "cpu" and need:
         bad = _bad_entries(block_table, torch.tensor(lens), page, n_pages)
         any_bad = bool(bad.any())
     if any_bad:
@@ -142,8 +148,9 @@ def attention_paged(
         any_bad, checked = bool(flag[0]), bt
     else:
         h_cu, h_cl, checked = _check_host_index(host_index, cu_q, cl, bt)
-        bad = _bad_entries_host(checked, h_cl, page, k_pages.shape[0])
-        cq, lens, any_bad = h_cu.tolist(), h_cl.tolist(), bool(bad.any())
+        cq, lens = h_cu.tolist(), h_cl.tolist()
+        any_bad = _any_bad_host(checked, lens, page, k_pages.shape[0])
+        bad = _bad_entries(checked, h_cl, page, k_pages.shape[0]) if any_bad else None  # the error path's mask
     q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
     few = next((s for s, (n, nq) in enumerate(zip(lens, q_lens, strict=True)) if n < nq), None)
     if few is not None:
@@ -163,17 +170,20 @@ def attention_paged(
     return (o, lse) if return_lse else o
 
 
+_CPU = torch.device("cpu")
+
+
 def _check_host_index(host_index: object, cu_q: torch.Tensor, cl: torch.Tensor,
                       bt: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``attention_paged``'s host_index: int32 CPU tensors of the device ones' shapes."""
     if not isinstance(host_index, (tuple, list)) or len(host_index) != 3:
         raise SeqLensError("host_index must be (cu_seqlens_q, cache_lens, block_table), CPU tensors")
-    names = ("cu_seqlens_q", "cache_lens", "block_table")
-    for t, like, name in zip(host_index, (cu_q, cl, bt), names, strict=True):
+    for t, like, name in zip(host_index, (cu_q, cl, bt), ("cu_seqlens_q", "cache_lens", "block_table"), strict=True):
+        if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type == "cpu" and t.shape == like.shape:
+            continue  # the usual case; the messages below are built only for a bad one
         error = BlockTableError if name == "block_table" else SeqLensError
-        check_index(f"host_index's {name}", t, like.dim(), torch.device("cpu"), error, str(list(like.shape)))
-        if t.shape != like.shape:
-            raise error(f"host_index's {name} has shape {list(t.shape)}, the device one {list(like.shape)}")
+        check_index(f"host_index's {name}", t, like.dim(), _CPU, error, str(list(like.shape)))
+        raise error(f"host_index's {name} has shape {list(t.shape)}, the device one {list(like.shape)}")
     return tuple(host_index)
 
 

@@ -297,6 +297,18 @@ def test_paged_host_index_is_checked():
     cu_q, cl, table = args["cu_seqlens_q"].cpu(), args["cache_lens"].cpu(), args["block_table"].cpu()
     with pytest.raises(BlockTableError, match="names no page"):
         attention_paged(**args, host_index=(cu_q, cl, with_column(table, 0, 999)))
+    with pytest.raises(BlockTableError, match=r"block_table\[0, 1\] = -1 names no page"):
+        attention_paged(**args, host_index=(cu_q, cl, with_column(table, 1, -1)))
+    # past 16 sequences the entries are checked at once: the same errors
+    n = 20
+    many = dict(args, q=args["q"][:1].repeat(n, 1, 1), cu_seqlens_q=idx(list(range(n + 1))),
+                cache_lens=idx([1] * n), block_table=table[:1].repeat(n, 1).to(args["block_table"].device))
+    host_many = (many["cu_seqlens_q"].cpu(), many["cache_lens"].cpu(), many["block_table"].cpu())
+    attention_paged(**many, host_index=host_many)  # every entry read names a page
+    bad_table = host_many[2].clone()
+    bad_table[17, 0] = -3
+    with pytest.raises(BlockTableError, match=r"block_table\[17, 0\] = -3 names no page"):
+        attention_paged(**many, host_index=(host_many[0], host_many[1], bad_table))
     with pytest.raises(SeqLensError, match="less than"):
         attention_paged(**args, host_index=(cu_q, idx([20, 1]).cpu(), table))
     with pytest.raises(SeqLensError, match="shape"):
