@@ -287,15 +287,28 @@ class Worker:
         ``run_inline`` needs. (Event loop.)"""
         return self.ready and self._inflight == 0 and self._tasks_sent == self._tasks_done
 
-    def run_inline(self, fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, float]:
+    def run_inline(self, fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, float] | None:
         """Event loop, only while ``idle``: what ``run_on_device(fn)`` would give, computed here and
-        now, waiting for the device. Nothing else can reach the device or the launcher thread
-        meanwhile (only the loop hands them work), so ``fn`` may touch what the launcher thread owns
-        (the sessions' page tables). It saves the two thread hand-offs and the loop's wake-up of a
-        step that comes alone (``service.sessions.scheduler``)."""
-        device = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
-        with torch.no_grad(), device, self._on_compute_stream():
-            value, done = fn(self._launch_lock())
+        now, waiting for the device; or None, having run nothing, when another worker's thread holds
+        the process's launch lock (it may be compiling a kernel: the loop must not wait for that).
+        Nothing else can reach this device or its launcher thread meanwhile (only the loop hands
+        them work), so ``fn`` may touch what the launcher thread owns (the sessions' page tables).
+        It saves the two thread hand-offs and the loop's wake-up of a step that comes alone
+        (``service.sessions.scheduler``)."""
+        lock = self._launch_lock()
+        if isinstance(lock, contextlib.nullcontext):
+            held = lock
+        elif lock.acquire(blocking=False):
+            held = contextlib.nullcontext()  # fn's ``with lock`` then nests inside this hold
+        else:
+            return None
+        try:
+            device = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+            with torch.no_grad(), device, self._on_compute_stream():
+                value, done = fn(held)
+        finally:
+            if held is not lock:
+                lock.release()
         if done is not None:
             done.synchronize()
         return value, time.perf_counter()

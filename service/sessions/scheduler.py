@@ -313,8 +313,7 @@ class StepScheduler:
         """Queue ``work`` (or run it now, when it comes ``alone`` and may: the module docstring);
         its future gives (o, lse, stamps) or the step's error."""
         since, self._last_arrival = self._last_arrival, work.enqueued
-        if alone and self._may_run_now(work, work.enqueued - since):
-            self._run_now(work)
+        if alone and self._may_run_now(work, work.enqueued - since) and self._run_now(work):
             self._last_arrival = time.monotonic()  # what arrives during the call came in a burst
             return work.future
         self.queue.append(work)
@@ -413,19 +412,28 @@ class StepScheduler:
             and self.worker.idle
         )
 
-    def _run_now(self, work: Work) -> None:
+    def _run_now(self, work: Work) -> bool:
+        """Run ``work`` inline and settle it; False (nothing done) when the worker cannot now."""
         work.launched = True
-        self.busy |= work.pairs
+        self.busy |= work.pairs  # none of them was held (``_may_run_now``)
         self.inflight += 1
-        self._batch_size.observe(1)
-        self._inline.inc()
         handed = time.perf_counter()
         try:
             answers = self.worker.run_inline(lambda lock: launch_steps(self.cache, [work], lock))
         except Exception as exc:  # noqa: BLE001 - a device error after the launch: its work fails
-            self._finished([work], lambda exc=exc: _raise(exc), handed)
+            answers = exc
+        if answers is None:  # the launch lock is held elsewhere: the work queues as usual
+            work.launched = False
+            self.busy -= work.pairs
+            self.inflight -= 1
+            return False
+        self._batch_size.observe(1)
+        self._inline.inc()
+        if isinstance(answers, Exception):
+            self._finished([work], lambda exc=answers: _raise(exc), handed)
         else:
             self._finished([work], lambda: answers, handed)
+        return True
 
     def _launch(self, batch: list[Work]) -> None:
         self.inflight += 1

@@ -623,3 +623,40 @@ def test_gpu_lone_small_requests_replay_cuda_graphs_with_the_usual_answers(monke
             assert torch.equal(res.o, lone.o), case[:7]
             if lone.lse is not None:
                 assert torch.equal(res.lse, lone.lse)
+
+
+def test_a_lone_session_step_queues_when_the_launch_lock_is_held_elsewhere():
+    """A step that comes alone runs inline (``Worker.run_inline``), unless another worker's thread
+    holds the launch lock (it may be compiling): then the loop does not wait for it; the step
+    queues, runs once the lock is free, and has the bits of the inline answer."""
+    from service.sessions.step import SessionStep
+
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        worker, sessions = engine.workers[0], engine.sessions
+
+        def inline():
+            return engine.metrics.registry.get_sample_value("attnserve_session_inline_total", {"device": "cpu"})
+
+        sid = sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"]
+        twin = sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"]
+        q, k, v = qkv(hq=4, hkv=2, nq=3, nk=3, d=16, seed=5)
+        await asyncio.sleep(0.001)
+        first = await sessions.step(SessionStep.single(sid, q, k, v))
+        assert inline() == 1
+
+        lock = threading.Lock()
+        lock.acquire()  # another GPU worker's launcher, say, mid-launch
+        worker._launch_lock = lambda: lock
+        await asyncio.sleep(0.001)
+        task = asyncio.ensure_future(sessions.step(SessionStep.single(twin, q, k, v)))
+        await asyncio.sleep(0.05)
+        assert not task.done() and inline() == 1  # queued: the launcher thread waits for the lock
+        lock.release()
+        second = await asyncio.wait_for(task, 10)
+        assert inline() == 1
+        assert torch.equal(first.o, second.o) and first.lengths == second.lengths == [3]
+        await engine.drain()
+
+    asyncio.run(main())
