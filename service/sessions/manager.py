@@ -261,27 +261,8 @@ class SessionManager:
         for w in works:
             for seq in w.seqs:
                 seq.session.active += 1
-        futures = None
-        if len(works) == 1:  # a step over several workers runs on them in parallel, not one by one inline
-            try:
-                # one loop iteration first: the steps accepted in this one then come together and
-                # batch (the scheduler's alone-gap), instead of each running inline in turn
-                await asyncio.sleep(0)
-            except asyncio.CancelledError:  # gone before it was submitted: only its counts to undo
-                self.held -= 1
-                for seq in works[0].seqs:
-                    seq.session.active -= 1
-                self.metrics.cancelled.labels("session", "queued").inc()
-                raise
-            futures = [self.schedulers[works[0].seqs[0].session.worker].submit(works[0], alone=True)]
-            f = futures[0]
-            if f.done() and f.exception() is None and not step.end and time.monotonic() <= step.deadline:
-                # ran inline and succeeded: answered here, without a task, a shield and a gather
-                self._settle(works)
-                self._success.inc()
-                return self._assemble(step, works, [f.result()])
         # shielded: a caller that goes away (a client disconnect) does not cut a step in half
-        task = asyncio.ensure_future(self._run(step, works, futures))
+        task = asyncio.ensure_future(self._run(step, works))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -324,13 +305,11 @@ class SessionManager:
             by_worker.setdefault(s.worker, []).append(Seq(s, s.kv[step.layer], rows, index))
         return [Work(step, seqs, geometry) for seqs in by_worker.values()]
 
-    async def _run(self, step: SessionStep, works: list[Work], futures: list[asyncio.Future] | None) -> SessionResult:
-        """Submit ``works`` (unless ``futures`` holds their submission already), wait, undo them all
-        if any failed, answer."""
+    async def _run(self, step: SessionStep, works: list[Work]) -> SessionResult:
         workers = [w.seqs[0].session.worker for w in works]
         try:
-            if futures is None:
-                futures = [self.schedulers[i].submit(w, alone=False) for i, w in zip(workers, works, strict=True)]
+            alone = len(works) == 1  # a step over several workers runs on them in parallel, not one by one inline
+            futures = [self.schedulers[i].submit(w, alone) for i, w in zip(workers, works, strict=True)]
             outcomes = await asyncio.gather(*futures, return_exceptions=True)
             error = next((o for o in outcomes if isinstance(o, BaseException)), None)
             if error is None and time.monotonic() > step.deadline:
@@ -346,23 +325,19 @@ class SessionManager:
                 raise error
             result = self._assemble(step, works, outcomes)
         finally:
-            self._settle(works)
+            now = time.monotonic()
+            for i, w in zip(workers, works, strict=True):
+                self.schedulers[i].done(w)
+                for seq in w.seqs:
+                    seq.session.active -= 1
+                    seq.session.last_used = now
+            self.held -= 1
         self._success.inc()
         if step.end:
             for sid in step.sessions:
                 with contextlib.suppress(NotFound):  # deleted meanwhile
                     await self._release(sid)
         return result
-
-    def _settle(self, works: list[Work]) -> None:
-        """A step is over (answered or failed and undone): its pairs free, its sessions idle."""
-        now = time.monotonic()
-        for w in works:
-            self.schedulers[w.seqs[0].session.worker].done(w)
-            for seq in w.seqs:
-                seq.session.active -= 1
-                seq.session.last_used = now
-        self.held -= 1
 
     def _assemble(self, step: SessionStep, works: list[Work], outcomes: list) -> SessionResult:
         lengths_of = {seq.session.id: seq.kv.length for w in works for seq in w.seqs}
