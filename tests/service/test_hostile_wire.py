@@ -744,3 +744,35 @@ def test_fuzz_create_session_rpc(http, native, layers, heads, head_dim, dtype, n
         assert exc.details() and "Traceback" not in exc.details()
         return
     native.DeleteSession(apb.DeleteSessionRequest(session=info.session), timeout=30)
+
+
+@pytest.mark.parametrize("head, twice", [
+    ('{"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":{"a":"1","a":"2"}}', "a"),
+    ('{"q" :{"dtype":"F32","shape":[1],"data_offsets":[0,4]} , "q"\t:{"dtype":"F32","shape":[1],'
+     '"data_offsets":[0,4]}}', "q"),  # whitespace around the colons
+    ('{"q":{"dtype":"F32","shape":[1],"shape":[1],"data_offsets":[0,4]}}', "shape"),
+    ('{"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":{"y":1,"y":2}}}', "y"),  # three levels deep
+    ('{"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":{"k\\":":"v","k\\":":"w"}}',
+     'k":'),  # an escaped quote in a key
+    ('{"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":{"a:":"\\":","a:":"b"}}', "a:"),
+])
+def test_safetensors_header_duplicates_are_found_however_the_keys_are_written(head, twice):
+    """The duplicate check counts keys without a second parse where no string holds an escape; every
+    other header is read again: duplicates anywhere are refused, whatever the spacing or escapes."""
+    from service.errors import BadRequest
+    from service.wire.tensors import parse_safetensors
+
+    with pytest.raises(BadRequest, match="twice") as info:
+        parse_safetensors(safetensors_file(head, bytes(4)))
+    assert repr(twice) in info.value.message
+
+
+@pytest.mark.parametrize("head", [
+    '{"q" : {"dtype":"F32", "shape":[1], "data_offsets":[0,4]}, "__metadata__" : {"a:b":"c:\\"d\\":"}}',
+    '{"q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"__metadata__":{"s":"x\\":y"}}',
+])
+def test_safetensors_headers_with_colons_and_escapes_but_no_duplicate_are_read(head):
+    from service.wire.tensors import parse_safetensors
+
+    tensors, metadata = parse_safetensors(safetensors_file(head, bytes(4)))
+    assert list(tensors) == ["q"] and len(metadata) == 1
