@@ -19,6 +19,7 @@ Rows (Hq 32, Hkv 8, D 128, bf16 on a GPU; smaller on the CPU):
 from __future__ import annotations
 
 import argparse
+import http.client
 import queue
 import statistics
 import sys
@@ -55,6 +56,34 @@ def _post(client: httpx.Client, path: str, body: bytes, params: dict | None = No
     return r
 
 
+class Poster:
+    """The timed HTTP calls' client: ``http.client`` over one keep-alive connection (the default,
+    as ``bench.http_latency``: its own cost is ~0.1 ms a small call, so what is timed is the
+    server's) or ``httpx`` (what most Python clients use; it adds ~1 ms a small call).
+    ``post(path, body)`` -> (the answer's bytes, its Server-Timing header)."""
+
+    def __init__(self, kind: str, client: httpx.Client):
+        self.kind, self.client = kind, client
+        if kind == "http.client":
+            url = client.base_url
+            self.conn = http.client.HTTPConnection(url.host, url.port, timeout=600)
+
+    def post(self, path: str, body: bytes) -> tuple[bytes, str]:
+        if self.kind == "httpx":
+            r = _post(self.client, path, body)
+            return r.content, r.headers.get("server-timing", "")
+        self.conn.request("POST", path, body=body, headers={"Content-Type": "application/x-safetensors"})
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status >= 300:
+            raise RuntimeError(f"{path}: {r.status} {data[:300]!r}")
+        return data, r.getheader("server-timing", "")
+
+    def close(self) -> None:
+        if self.kind == "http.client":
+            self.conn.close()
+
+
 def create(client: httpx.Client, context: int, seed: int) -> str:
     """A session holding ``context`` tokens, prefilled in chunks (causal)."""
     r = client.post("/sessions", json={"layers": 1, "num_kv_heads": HKV, "head_dim": D,
@@ -82,9 +111,10 @@ def timed(call, iters: int, warmup: int = 5) -> list[float]:
     return xs
 
 
-def step_row(client: httpx.Client, grpc_client: GrpcAttentionClient, c: int, iters: int) -> tuple:
+def step_row(client: httpx.Client, grpc_client: GrpcAttentionClient, c: int, iters: int, poster: Poster) -> tuple:
     """(context, step bytes, step p50, p99, stateless bytes, stateless p50, p99, stateless/step,
-    gRPC step p50, p99, kernel ms, {Server-Timing phase: median ms of the HTTP steps})."""
+    gRPC step p50, p99, kernel ms, {Server-Timing phase: median ms of the HTTP steps}); the timed
+    HTTP calls go through ``poster``."""
     sid = create(client, c, seed=c)
     tokens = [(_rand(1, HQ, 1, D, seed=i), _rand(1, HKV, 1, D, seed=i + 1), _rand(1, HKV, 1, D, seed=i + 2))
               for i in range(8)]
@@ -93,15 +123,15 @@ def step_row(client: httpx.Client, grpc_client: GrpcAttentionClient, c: int, ite
     phases: dict[str, list[float]] = {}
 
     def http_step():
-        r = _post(client, f"/sessions/{sid}/attend", bodies[next(it) % 8])
-        for name, ms in ServerTiming.parse(r.headers.get("server-timing", "")).items():
+        _, timing = poster.post(f"/sessions/{sid}/attend", bodies[next(it) % 8])
+        for name, ms in ServerTiming.parse(timing).items():
             phases.setdefault(name, []).append(ms)
 
     step = timed(http_step, iters)
     grpc_step = timed(lambda: grpc_client.step(sid, *tokens[next(it) % 8]), iters)
     client.delete(f"/sessions/{sid}")
     stateless_body = _body(q=_rand(1, HQ, 1, D, seed=0), k=_rand(1, HKV, c, D, seed=1), v=_rand(1, HKV, c, D, seed=2))
-    stateless = timed(lambda: _post(client, "/attention", stateless_body), max(5, iters // 10), warmup=2)
+    stateless = timed(lambda: poster.post("/attention", stateless_body), max(5, iters // 10), warmup=2)
     s50, a50 = statistics.median(step), statistics.median(stateless)
     return (c, len(bodies[0]), s50, pct(step, 99), len(stateless_body), a50, pct(stateless, 99), a50 / s50,
             statistics.median(grpc_step), pct(grpc_step, 99), kernel_ms([c]) if HAS_CUDA else float("nan"),
@@ -143,7 +173,7 @@ def loop_row(client: httpx.Client, grpc_client: GrpcAttentionClient, sessions: i
     return sessions, layers, context, sessions * tokens / elapsed, elapsed / (tokens * layers) * 1e3
 
 
-def packed_row(client: httpx.Client, sessions: int, max_context: int, iters: int) -> tuple:
+def packed_row(client: httpx.Client, sessions: int, max_context: int, iters: int, poster: Poster) -> tuple:
     lengths = [max(1024, int(max_context * (i + 1) / sessions)) for i in range(sessions)]
     ids = [create(client, n, seed=7 * i) for i, n in enumerate(lengths)]
     q, k, v = _rand(sessions, HQ, D, seed=1), _rand(sessions, HKV, D, seed=2), _rand(sessions, HKV, D, seed=3)
@@ -152,8 +182,8 @@ def packed_row(client: httpx.Client, sessions: int, max_context: int, iters: int
     phases: dict[str, list[float]] = {}
 
     def post():
-        r = _post(client, "/sessions/attend", body)
-        for name, ms in ServerTiming.parse(r.headers.get("server-timing", "")).items():
+        _, timing = poster.post("/sessions/attend", body)
+        for name, ms in ServerTiming.parse(timing).items():
             phases.setdefault(name, []).append(ms)
 
     xs = timed(post, iters)
@@ -199,11 +229,13 @@ def kernel_ms(lengths: list[int], page: int = 64) -> float:
     return graph_ms(launch)  # replayed from a CUDA graph: eager, the launches' ~0.2 ms of host work is what is timed
 
 
-def render(steps: list[tuple], packed: tuple | None, loop: tuple | None, command: str) -> str:
+def render(steps: list[tuple], packed: tuple | None, loop: tuple | None, command: str,
+           http_client: str = "http.client") -> str:
     dev = torch.cuda.get_device_name() if HAS_CUDA else "CPU"
     out = [f"{time.strftime('%Y-%m-%d')}, {dev}, torch {torch.__version__}; `{command}`", "",
            f"Decode step, Hq {HQ} / Hkv {HKV} / D {D}, {str(DTYPE).removeprefix('torch.')}, ms (HTTP "
-           "safetensors; gRPC SessionAttend; kernel: the device time of the step's append + attention):",
+           f"safetensors from {http_client}; gRPC SessionAttend; kernel: the device time of the step's "
+           "append + attention):",
            "", "| context | step bytes | HTTP p50 | HTTP p99 | gRPC p50 | gRPC p99 | kernel | gRPC p50 - kernel "
            "| stateless bytes | stateless p50 | stateless p99 | stateless / HTTP step |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -262,18 +294,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loop-layers", type=int, default=32 if HAS_CUDA else 2)
     ap.add_argument("--loop-context", type=int, default=4096 if HAS_CUDA else 64)
     ap.add_argument("--loop-tokens", type=int, default=16 if HAS_CUDA else 3)
+    ap.add_argument("--http-client", choices=("http.client", "httpx"), default="http.client",
+                    help="the timed HTTP calls' client (see Poster)")
     args = ap.parse_args(argv)
     command = "python -m bench.sessions " + " ".join(argv if argv is not None else sys.argv[1:])
     contexts = [int(x) for x in args.contexts.split(",") if x]
 
     def go(url: str, target: str) -> str:
         with httpx.Client(base_url=url, timeout=600) as client, GrpcAttentionClient(target, timeout=600) as g:
-            steps = [_progress(f"step at {c}", step_row, client, g, c, args.iters) for c in contexts]
+            poster = Poster(args.http_client, client)
+            steps = [_progress(f"step at {c}", step_row, client, g, c, args.iters, poster) for c in contexts]
             packed = _progress("packed", packed_row, client, args.packed, max(contexts),
-                               max(5, args.iters // 4)) if args.packed else None
+                               max(5, args.iters // 4), poster) if args.packed else None
+            poster.close()
             loop = _progress("loop", loop_row, client, g, args.loop_sessions, args.loop_layers, args.loop_context,
                              args.loop_tokens) if args.loop_sessions else None
-        return render(steps, packed, loop, command)
+        return render(steps, packed, loop, command, args.http_client)
 
     if args.url:
         from urllib.parse import urlparse
