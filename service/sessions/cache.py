@@ -127,7 +127,8 @@ class KVCache:
     def reserve(self, geometry: Geometry, grow: list[tuple[SequenceKV, int]]) -> Reservation:
         """Pages for ``n`` more keys of each sequence; each ``kv.length`` becomes C + n. All or
         nothing: raises ``NoRoom`` (nothing changed) when the pages in use would pass the budget."""
-        need = [max(0, self.pages_for(kv.length + n) - len(kv.pages)) for kv, n in grow]
+        pt = self.page_tokens
+        need = [max(0, -(-(kv.length + n) // pt) - len(kv.pages)) for kv, n in grow]
         total = sum(need)
         page_bytes = geometry.page_bytes(self.page_tokens)
         if self.used_bytes + total * page_bytes > self.capacity_bytes:
@@ -141,11 +142,12 @@ class KVCache:
         if total:
             self._ensure_free(arena, total)
         entries = []
+        held = arena.seqs
         for (kv, n), k in zip(grow, need, strict=True):
-            for _ in range(k):
-                kv.pages.append(heapq.heappop(arena.free))
-            if kv.pages:
-                arena.seqs.add(kv)
+            if k:
+                for _ in range(k):
+                    kv.pages.append(heapq.heappop(arena.free))
+                held.add(kv)
             entries.append((kv, kv.length, k))
             kv.length += n
         self.used_bytes += total * page_bytes

@@ -138,6 +138,7 @@ class SessionManager:
         self.held = 0  # steps accepted and not answered
         self._success = metrics.success.labels("session")  # looked up once: ``labels()`` costs more than inc()
         self._expiry: asyncio.Task | None = None
+        self._geometries: dict[Geometry, Geometry] = {}
 
     # ---- life -------------------------------------------------------------------------------
 
@@ -202,7 +203,9 @@ class SessionManager:
             raise InvalidInput(f"dtype {dtype} is not supported; choose float16, bfloat16 or float32")
         sid = self.table.new_id(session)
         worker = max(range(len(self.workers)), key=lambda i: (self.caches[i].free_bytes, -i))
-        s = Session(sid, worker, Geometry(num_kv_heads, head_dim, dtype), [SequenceKV() for _ in range(layers)])
+        g = Geometry(num_kv_heads, head_dim, dtype)
+        g = self._geometries.setdefault(g, g)  # one object per geometry: a step's checks compare identities
+        s = Session(sid, worker, g, [SequenceKV() for _ in range(layers)])
         self.table.add(s)
         return self._info(s)
 
@@ -284,25 +287,27 @@ class SessionManager:
     def _works(self, step: SessionStep) -> list[Work]:
         by_worker: dict[int, list[Seq]] = {}
         geometry = None
+        layer, dtype, head_dim, heads_kv, heads_q = step.layer, step.q.dtype, step.head_dim, step.heads_kv, step.heads_q
         for index, (sid, rows) in enumerate(zip(step.sessions, step.rows, strict=True)):
             s = self.table.get(sid)
             g = s.geometry
-            if step.layer >= s.layers:
-                raise InvalidInput(f"layer {step.layer} is out of range: session {sid!r} has {s.layers} "
+            if g is not geometry:  # sessions of one geometry share its object: checked once
+                if dtype != g.dtype:
+                    raise InvalidInput(f"q has dtype {dtype} but session {sid!r} holds {DTYPE_NAMES[g.dtype]}")
+                if head_dim != g.head_dim:
+                    raise InvalidInput(f"q has head dim {head_dim} but session {sid!r} holds {g.head_dim}")
+                if heads_kv is not None and heads_kv != g.num_kv_heads:
+                    raise InvalidInput(f"k, v have {heads_kv} heads but session {sid!r} holds {g.num_kv_heads}")
+                if heads_q % g.num_kv_heads:
+                    raise InvalidInput(f"q's {heads_q} heads must be a multiple of session {sid!r}'s "
+                                       f"{g.num_kv_heads} kv heads (GQA)")
+                if geometry is not None and g != geometry:
+                    raise InvalidInput("the sessions of a packed step must share num_kv_heads, head_dim and dtype")
+                geometry = g
+            if layer >= s.layers:
+                raise InvalidInput(f"layer {layer} is out of range: session {sid!r} has {s.layers} "
                                    f"layer{'s' if s.layers > 1 else ''} (0..{s.layers - 1})")
-            if step.q.dtype != g.dtype:
-                raise InvalidInput(f"q has dtype {step.q.dtype} but session {sid!r} holds {DTYPE_NAMES[g.dtype]}")
-            if step.head_dim != g.head_dim:
-                raise InvalidInput(f"q has head dim {step.head_dim} but session {sid!r} holds {g.head_dim}")
-            if step.heads_kv is not None and step.heads_kv != g.num_kv_heads:
-                raise InvalidInput(f"k, v have {step.heads_kv} heads but session {sid!r} holds {g.num_kv_heads}")
-            if step.heads_q % g.num_kv_heads:
-                raise InvalidInput(f"q's {step.heads_q} heads must be a multiple of session {sid!r}'s "
-                                   f"{g.num_kv_heads} kv heads (GQA)")
-            if geometry is not None and g != geometry:
-                raise InvalidInput("the sessions of a packed step must share num_kv_heads, head_dim and dtype")
-            geometry = g
-            by_worker.setdefault(s.worker, []).append(Seq(s, s.kv[step.layer], rows, index))
+            by_worker.setdefault(s.worker, []).append(Seq(s, s.kv[layer], rows, index))
         return [Work(step, seqs, geometry) for seqs in by_worker.values()]
 
     async def _run(self, step: SessionStep, works: list[Work]) -> SessionResult:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -70,18 +71,19 @@ class Work:
     before: list[int] = field(default_factory=list)  # each seq's length before the step (launcher thread)
     timer: asyncio.TimerHandle | None = None
 
-    @property
+    @functools.cached_property
     def key(self) -> Hashable:
         s = self.step
         return (s.heads_q, self.geometry, s.causal, s.scale, s.mask_key)
 
-    @property
-    def pairs(self) -> set[tuple[str, int]]:
-        return {(seq.session.id, self.step.layer) for seq in self.seqs}
+    @functools.cached_property
+    def pairs(self) -> frozenset[tuple[str, int]]:
+        layer = self.step.layer
+        return frozenset((seq.session.id, layer) for seq in self.seqs)
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
-        return sum(b - a for a, b in (s.rows for s in self.seqs))
+        return sum(s.rows[1] - s.rows[0] for s in self.seqs)
 
 
 # ---------------------------------------------------------------- the launch (launcher thread)
