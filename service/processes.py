@@ -7,9 +7,11 @@ own loop, engine and batcher:
 - the devices are dealt out: with N <= the device count, process i gets devices i, i+N, ...;
   with more processes than devices, process i shares device i mod count with the others dealt it;
   on the CPU each process gets 1/N of the cores for torch's threads (unless OMP_NUM_THREADS is set);
-- this supervisor binds the HTTP port once and each process accepts on that socket (inherited), so
-  the kernel spreads connections over them; each binds the gRPC port itself (grpc sets
-  SO_REUSEPORT), and the kernel spreads channels;
+- this supervisor binds one HTTP listening socket per process, all on the same port with
+  SO_REUSEPORT, and process i accepts on socket i (inherited): the kernel hashes each new
+  connection to one of them, so connections spread evenly. (One shared socket would let whichever
+  process wakes first accept; on Linux that is often the same one for every connection.) Each
+  process binds the gRPC port itself (grpc sets SO_REUSEPORT), and the kernel spreads channels;
 - Prometheus series are kept per process in files of a private folder
   (``PROMETHEUS_MULTIPROC_DIR``) and ``/metrics`` of any process sums them over all;
 - SIGTERM/SIGINT go on to every process, each drains as a lone server does; if one process exits
@@ -65,6 +67,28 @@ def process_count(settings: Settings) -> int:
     return len(devices) if all(d.type == "cuda" for d in devices) else 1
 
 
+def http_listeners(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` inheritable listening sockets on ``host:port``, all with SO_REUSEPORT (port 0: a
+    free port); raises OSError when the port cannot be bound.
+
+    A plain bind comes first: SO_REUSEPORT alone would let a second server of the same user share
+    the port silently instead of failing to start."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, port), family=family) as probe:
+        port = probe.getsockname()[1]
+    listeners: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            listener = socket.create_server((host, port), family=family, backlog=2048, reuse_port=True)
+            listener.set_inheritable(True)
+            listeners.append(listener)
+    except OSError:
+        for listener in listeners:
+            listener.close()
+        raise
+    return listeners
+
+
 def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     """Start ``processes`` servers (``python -m service`` with ``argv`` and this process's share of
     the devices), forward signals, wait; the exit code (0 after a clean stop)."""
@@ -75,17 +99,15 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     except ValueError as exc:
         log.error("cannot start: %s", exc)
         return 2
+    shares = deal_devices(devices, processes)
     try:
-        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-        listener = socket.create_server((settings.host, settings.http_port), family=family, backlog=2048)
+        listeners = http_listeners(settings.host, settings.http_port, len(shares))
     except OSError as exc:
         log.error("cannot bind HTTP %s:%d: %s", settings.host, settings.http_port, exc)
         return 1
-    listener.set_inheritable(True)
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
     peers_dir = tempfile.mkdtemp(prefix="attnserve-peers-")  # 0700: each process's private sockets
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
-    shares = deal_devices(devices, processes)
     if all(s == "cpu" for s in shares) and "OMP_NUM_THREADS" not in env:
         # CPU workers compute with torch's thread pool: N pools of every core would oversubscribe
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(shares)))
@@ -102,7 +124,7 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
-        for i, share in enumerate(shares):
+        for i, (share, listener) in enumerate(zip(shares, listeners, strict=True)):
             if stopping:  # a signal while starting them: start no more
                 break
             cmd = [sys.executable, "-m", "service", *argv,
@@ -132,7 +154,8 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
             child.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        listener.close()
+        for listener in listeners:
+            listener.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shutil.rmtree(peers_dir, ignore_errors=True)
 

@@ -56,6 +56,22 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def accepted(pids: list[int], port: int) -> list[int]:
+    """How many established TCP connections on local ``port`` each of ``pids`` holds (from
+    /proc/net/tcp and each process's fds)."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in list(f)[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":
+                inodes.add(fields[9])
+    counts = []
+    for pid in pids:
+        fds = (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+        counts.append(sum(link[8:-1] in inodes for link in fds if link.startswith("socket:[")))
+    return counts
+
+
 def post(url: str, body: bytes) -> httpx.Response:
     """One call on a new connection (so that the kernel may hand it to either process); a process
     still warming up answers 503: retry it."""
@@ -78,7 +94,8 @@ def success_count(url: str) -> float:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_two_processes_share_the_ports_and_their_metrics(tmp_path):
     """Two CPU processes: calls over new HTTP connections and new gRPC channels are all answered
-    right; every scrape, whichever process answers it, counts every call; SIGTERM stops them all."""
+    right; new connections reach both processes; a second server cannot take the port; every
+    scrape, whichever process answers it, counts every call; SIGTERM stops them all."""
     with run_server(tmp_path, "--processes", "2", "--warmup-shapes", "1x1x8x8") as srv:
         workers = children(srv.proc.pid)
         assert len(workers) == 2, srv.log()
@@ -96,6 +113,18 @@ def test_two_processes_share_the_ports_and_their_metrics(tmp_path):
                 o = client.attention(q, k, v)
             assert torch.allclose(o.double(), attention64(q, k, v)[0], atol=1e-5)
             calls += 1
+        # new connections spread over both processes (one SO_REUSEPORT socket each); held open at once
+        clients = [httpx.Client(base_url=srv.url, timeout=60) for _ in range(24)]
+        try:
+            assert all(c.get("/healthz").status_code == 200 for c in clients)
+            spread = accepted(workers, srv.http_port)
+            assert sum(spread) == 24 and min(spread) > 0, spread
+        finally:
+            for c in clients:
+                c.close()
+        # a second server on the same port fails to start instead of sharing it
+        with run_server(tmp_path, "--processes", "2", "--http-port", str(srv.http_port), wait_ready=False) as other:
+            assert other.proc.wait(timeout=60) == 1 and "cannot bind HTTP" in other.log(), other.log()
         time.sleep(1.5)  # both processes' counters are in their files at once; gauges within 1 s
         assert [success_count(srv.url) for _ in range(8)] == [calls] * 8, srv.log()
         text = httpx.get(srv.url + "/metrics", timeout=10).text
