@@ -35,7 +35,8 @@ def reference_attention(
     acc = _acc_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     n_q, n_k = q.shape[2], k.shape[2]
-    qf, kf, vf = q.to(acc), _expand_kv(k, group).to(acc), _expand_kv(v, group).to(acc)
+    qf, kf = q.to(acc), _expand_kv(k, group).to(acc)
+    vf = _zero_padding(_expand_kv(v, group).to(acc), kv_lengths, 0)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (B, Hq, Nq, Nk)
     if masks.softcap > 0 or masks.alibi is not None:
         r, c = torch.arange(n_q, device=q.device), torch.arange(n_k, device=q.device)
@@ -61,6 +62,17 @@ def _mask(
         pad = (c[None, :] < kv_lengths.to(device=device, dtype=torch.int64)[:, None])[:, None, None, :]
         mask = pad if mask is None else mask & pad
     return mask
+
+
+def _zero_padding(v: torch.Tensor, kv_lengths: torch.Tensor | None, c0: int) -> torch.Tensor:
+    """v (B, H, n, D), keys c0.. of the call, with the rows at positions >= kv_lengths[b] set to 0:
+    padding may hold anything (``torch.empty``, NaN), and a masked key's p = 0 times NaN would
+    still be NaN in p @ v."""
+    if kv_lengths is None:
+        return v
+    c = torch.arange(c0, c0 + v.shape[2], device=v.device)
+    pad = c[None, :] >= kv_lengths.to(device=v.device, dtype=torch.int64)[:, None]  # (B, n)
+    return v.masked_fill(pad[:, None, :, None], 0.0) if bool(pad.any()) else v
 
 
 def _finish(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +129,7 @@ def blockwise_attention(
             c_hi = min(n_k, r0 + rows - 1 + off + (0 if causal else masks.right) + 1)
         for c0 in range(c_lo // block_k * block_k, max(c_hi, 0), block_k):
             kj = _expand_kv(k[:, :, c0 : c0 + block_k], group).to(acc)
-            vj = _expand_kv(v[:, :, c0 : c0 + block_k], group).to(acc)
+            vj = _zero_padding(_expand_kv(v[:, :, c0 : c0 + block_k], group).to(acc), kv_lengths, c0)
             s = torch.matmul(qi, kj.transpose(-1, -2))  # S_ij (B, Hq, bq, bk)
             if modify:
                 s = modify_scores(s, torch.arange(r0, r0 + rows, device=q.device),
@@ -238,7 +250,34 @@ def cpu_attention(
             torch.cat([r[0] for r in rows], dim=0), torch.cat([r[1] for r in rows], dim=0))
     if out is None:
         return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
-    return out
+    return _nonfinite_again(out, q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+
+
+def _nonfinite_again(out: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     causal: bool, scale: float,
+                     kv_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` with each batch element that holds a non-finite q, k or v answered again, alone, by
+    ``blockwise_attention``: torch's CPU kernel answers a row whose scores meet a NaN with o = 0,
+    lse = 0 over a few keys (the contract says NaN). An element's bits still depend on it alone."""
+    b = q.shape[0]
+    if kv_lengths is None:
+        finite = torch.isfinite(q).reshape(b, -1).all(1) & torch.isfinite(k).reshape(b, -1).all(1) & \
+            torch.isfinite(v).reshape(b, -1).all(1)
+    else:  # the padding past kv_lengths may hold anything: it is never read
+        finite = torch.tensor([bool(torch.isfinite(q[i]).all() and torch.isfinite(k[i, :, :n]).all()
+                                    and torch.isfinite(v[i, :, :n]).all())
+                               for i, n in enumerate(kv_lengths.tolist())])
+    if bool(finite.all()):
+        return out
+    if out[0].requires_grad:  # under autograd: the whole call by the loop, which has gradients
+        return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
+    o, lse = out[0].clone(), out[1].clone()
+    for i in (~finite).nonzero().flatten().tolist():
+        sl = slice(i, i + 1)
+        q_b, k_b, v_b = (t[sl].clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+        o[sl], lse[sl] = blockwise_attention(q_b, k_b, v_b, causal=causal, scale=scale,
+                                             kv_lengths=None if kv_lengths is None else kv_lengths[sl])
+    return o, lse
 
 
 def _blockwise_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,

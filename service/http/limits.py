@@ -59,6 +59,7 @@ def limited_protocol(base: type[asyncio.Protocol] | str, settings: Settings) -> 
             self._since = 0.0  # loop time the head began, or the body last made progress
             self._progress = -1  # what the body timer last saw of a direct read
             self._timer: asyncio.TimerHandle | None = None
+            self._deferred: tuple[int, str] | None = None  # a refusal waiting for the answer in flight
 
         # ---- the limits, checked as the parser goes
 
@@ -138,21 +139,38 @@ def limited_protocol(base: type[asyncio.Protocol] | str, settings: Settings) -> 
             if self.transport.is_closing():
                 return
             cycle = self.cycle
-            # a request in flight: the one whose body is arriving (answered here unless its answer
-            # has begun), or one whose answer a pipelined head waits behind (nothing written then)
             answering = cycle is not None and not cycle.response_complete
-            if (answering and not cycle.response_started) if self._phase == "body" else not answering:
-                url = self.url if isinstance(getattr(self, "url", None), bytes) else b""
-                body = orjson.dumps({"error": message} if url.startswith(b"/v2") else
-                                    {"error": {"code": CODES.get(status, "bad_request"), "message": message}})
-                self.transport.write(
-                    f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\ncontent-type: application/json\r\n"
-                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode("latin-1") + body
-                )
             log.info("refused a request from %s with %d: %s", self.client, status, message)
+            if answering and self._phase != "body":
+                # a bad head pipelined behind a request being answered (a body longer than its
+                # Content-Length, say): that answer goes out first, then this refusal
+                self._deferred = (status, message)
+                self.flow.pause_reading()
+                return
+            if not answering or not cycle.response_started:
+                self._write_refusal(status, message)
             if answering:  # the app is reading the body: it sees a disconnect, its answer goes nowhere
                 cycle.disconnected = True
                 cycle.message_event.set()
+            self.transport.close()
+
+        def _write_refusal(self, status: int, message: str) -> None:
+            url = self.url if isinstance(getattr(self, "url", None), bytes) else b""
+            body = orjson.dumps({"error": message} if url.startswith(b"/v2") else
+                                {"error": {"code": CODES.get(status, "bad_request"), "message": message}})
+            self.transport.write(
+                f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode("latin-1") + body
+            )
+
+        def on_response_complete(self) -> None:
+            deferred, self._deferred = self._deferred, None
+            if deferred is None or self.pipeline or self.transport.is_closing():
+                self._deferred = deferred if self.pipeline else None  # the requests before it go first
+                super().on_response_complete()
+                return
+            self.server_state.total_requests += 1
+            self._write_refusal(*deferred)
             self.transport.close()
 
         # ---- the timers: one per connection, re-armed from its own callback

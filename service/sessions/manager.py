@@ -56,6 +56,7 @@ log = logging.getLogger("attnserve.sessions")
 
 CPU_KV_CACHE_MB = 256.0
 GPU_KV_CACHE_SHARE = 0.5  # of what a GPU worker may use after its warm-up (the rest: stateless requests)
+MAX_LAYERS = 4096  # layers are made at creation (one SequenceKV each): unbounded, one create could exhaust the host
 
 
 @dataclass(eq=False)
@@ -189,8 +190,8 @@ class SessionManager:
         for name, value in (("layers", layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise BadRequest(f"{name} must be an integer, got {value!r}")
-        if layers < 1:
-            raise InvalidInput(f"layers must be >= 1, got {layers}")
+        if not 1 <= layers <= MAX_LAYERS:
+            raise InvalidInput(f"layers must be 1 to {MAX_LAYERS}, got {layers}")
         if num_kv_heads < 1:
             raise InvalidInput(f"num_kv_heads must be >= 1, got {num_kv_heads}")
         if not 1 <= head_dim <= MAX_HEAD_DIM:

@@ -113,7 +113,8 @@ class SessionStep:
                                    f"{list(q_lengths.shape)}")
             lengths = tuple(int(x) for x in q_lengths.tolist())
         else:
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in q_lengths):
+            if not isinstance(q_lengths, list | tuple) or \
+                    not all(isinstance(x, int) and not isinstance(x, bool) for x in q_lengths):
                 raise BadRequest("q_lengths must be a list of integers (rows of q per session)")
             lengths = tuple(q_lengths)
         if isinstance(sessions, str) or not all(isinstance(s, str) for s in sessions):

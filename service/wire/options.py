@@ -20,6 +20,7 @@ from service.errors import BadRequest
 _TRUE = ("true", "1", "yes", "on")
 FAR_WINDOW = 1 << 30  # keys: beyond any sequence (the kernels' own "unbounded" bound)
 _FALSE = ("false", "0", "no", "off")
+FLOAT32_MAX = 3.4028234663852886e38  # the kernels compute in float32: a larger scale or cap is inf there
 
 
 def parse_bool(name: str, value: Any, what: str = "option") -> bool:
@@ -36,8 +37,9 @@ def parse_bool(name: str, value: Any, what: str = "option") -> bool:
     raise BadRequest(f"{what} {name!r} must be a boolean (true/false), got {value!r}")
 
 
-def parse_scale(name: str, value: Any, what: str = "option") -> float | None:
-    """A finite number or a numeric string; None or "" is the default (1/sqrt(D))."""
+def parse_scale(name: str, value: Any, what: str = "option", huge: float | None = None) -> float | None:
+    """A finite number or a numeric string; None or "" is the default (1/sqrt(D)). Beyond float32's
+    range (inf in the kernels): ``huge`` if given, else refused."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return None
     if isinstance(value, bool):
@@ -48,6 +50,10 @@ def parse_scale(name: str, value: Any, what: str = "option") -> float | None:
         raise BadRequest(f"{what} {name!r} must be a number, got {value!r}") from None
     if not math.isfinite(scale):
         raise BadRequest(f"{what} {name!r} must be finite, got {value!r}")
+    if abs(scale) > FLOAT32_MAX:
+        if huge is not None:
+            return huge
+        raise BadRequest(f"{what} {name!r} must be within float32's range (|x| <= 3.4e38), got {value!r}")
     return scale
 
 
@@ -78,8 +84,9 @@ def parse_window(name: str, value: Any, what: str = "option") -> tuple[int, int]
 
 
 def parse_softcap(name: str, value: Any, what: str = "option") -> float:
-    """A finite number >= 0 or a numeric string; 0, None or "" is off."""
-    cap = parse_scale(name, value, what)
+    """A finite number >= 0 or a numeric string; 0, None or "" is off. A cap beyond float32's range
+    bounds nothing (as a far window side): off, not inf in the kernels (inf · tanh(s / inf) is NaN)."""
+    cap = parse_scale(name, value, what, huge=0.0)
     if cap is None:
         return 0.0
     if cap < 0:

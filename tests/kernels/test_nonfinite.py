@@ -65,18 +65,68 @@ def inputs(dtype, poison: str, n_q=5, n_k=37, d=24, device=DEV):
     return q, k, v
 
 
-KERNELS = ["reference", "auto", "flash", "flash_v1"]  # auto on the CPU: torch's CPU kernel
+KERNELS = ["reference", "cpu", "flash", "flash_v1"]
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    """The kernel a test names; "cpu" is the CPU server's "auto" (torch's CPU kernel), which this
+    suite's TRITON_INTERPRET=1 would otherwise turn into the Triton kernels."""
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        return "auto"
+    return request.param
 POISONS = ["q_inf", "q_nan", "k_inf"]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 def test_attention(kernel, dtype, poison, causal):
     q, k, v = inputs(dtype, poison)
     o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
     check(o, lse, q, k, v, causal, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("n_k", [1, 4, 7])
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_a_nan_over_few_keys_is_nan(kernel, n_k):
+    """Fewer than 8 keys: torch's CPU kernel (auto) answers a row whose scores meet a NaN with
+    o = 0, lse = 0, which looks valid; the contract's NaN must still come back. Also with a batch
+    element beside it, which keeps its own bits."""
+    q, k, v = inputs(torch.float32, "q_nan", n_q=5, n_k=n_k)
+    o, lse = attention(q, k, v, return_lse=True, kernel=kernel)
+    check(o, lse, q, k, v, False, q.shape[-1] ** -0.5)
+    good = inputs(torch.float32, "none", n_q=5, n_k=n_k)
+    both = [torch.cat([a, b]) for a, b in zip(good, (q, k, v), strict=True)]
+    o2, lse2 = attention(*both, return_lse=True, kernel=kernel)
+    alone = attention(*good, return_lse=True, kernel=kernel)
+    assert torch.equal(o2[:1], alone[0]) and torch.equal(lse2[:1], alone[1])
+    assert torch.equal(o2[1:].isnan(), o.isnan()) and torch.equal(lse2[1:].isnan(), lse.isnan())
+
+
+MODIFIERS = {"none": {}, "softcap": {"softcap": 5.0}, "window": {"window_size": (3, 3)},
+             "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25], device=DEV)}}
+
+
+@pytest.mark.parametrize("modifier", list(MODIFIERS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kernel", ["reference", "cpu", "flash"], indirect=True)
+def test_padding_may_hold_nan(kernel, causal, modifier):
+    """Keys past kv_lengths are padding (``torch.empty`` may leave NaN there): the answer is the
+    bits of the same call with finite padding, on every kernel and score modifier (those answers
+    are checked against float64 in test_kernels_reference.py and test_masks.py)."""
+    g = torch.Generator().manual_seed(3)
+    q = randn(g, 2, 2, 6, 16, dtype=torch.float32)
+    k, v = randn(g, 2, 2, 40, 16, dtype=torch.float32), randn(g, 2, 2, 40, 16, dtype=torch.float32)
+    lengths = torch.tensor([23, 40], dtype=torch.int32, device=DEV)
+    opts = MODIFIERS[modifier]
+    clean = attention(q, k, v, causal=causal, kv_lengths=lengths, return_lse=True, kernel=kernel, **opts)
+    k[0, :, 23:], v[0, :, 23:] = NAN, INF
+    o, lse = attention(q, k, v, causal=causal, kv_lengths=lengths, return_lse=True, kernel=kernel, **opts)
+    assert torch.isfinite(o).all(), "padding reached the answer"
+    assert torch.equal(o, clean[0]) and torch.equal(lse, clean[1])
 
 
 @pytest.mark.parametrize("poison", POISONS)

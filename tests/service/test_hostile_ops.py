@@ -113,6 +113,34 @@ def test_unparsable_requests_get_a_json_400(server):
         assert status == 400 and body["error"]["code"] == "bad_request"
 
 
+def test_bytes_past_a_body_are_answered_after_it(server):
+    """Bytes after a body (a body longer than its Content-Length) are the next pipelined request;
+    when they do not parse, the request before them is still answered, then a JSON 400 comes and
+    the connection closes. With a valid request pipelined between them, both are answered first."""
+    g = torch.Generator().manual_seed(2)
+    t = {n: torch.randn(1, 2, 3, 4, generator=g) for n in "qkv"}
+    body = _safetensors(t)
+    want = torch.nn.functional.scaled_dot_product_attention(t["q"], t["k"], t["v"])
+    request = (f"POST /attention HTTP/1.1\r\nHost: t\r\nContent-Type: {ST}\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    for between in (0, 1):
+        s = connect(server)
+        s.sendall(request * (1 + between) + b"\x00garbage\r\n\r\n")
+        raw, answers = read_all(s), []
+        while raw:  # each response: its head, then content-length bytes
+            head, _, rest = raw.partition(b"\r\n\r\n")
+            n = int(next(x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")).split(b":")[1])
+            answers.append((head, rest[:n]))
+            raw = rest[n:]
+        assert [h.split(b" ", 2)[1] for h, _ in answers] == [b"200"] * (1 + between) + [b"400"], answers
+        for _, payload in answers[:-1]:
+            got = torch.frombuffer(bytearray(payload[-want.numel() * 4:]), dtype=torch.float32).view_as(want)
+            assert torch.allclose(got, want, atol=1e-5)
+        status, err = answer(b"\r\n\r\n".join(answers[-1]))
+        assert status == 400 and err["error"]["code"] == "bad_request"
+    assert_serving(server)
+
+
 # ---------------------------------------------------------------- 6. heads, bodies, timeouts
 
 

@@ -776,3 +776,55 @@ def test_safetensors_headers_with_colons_and_escapes_but_no_duplicate_are_read(h
 
     tensors, metadata = parse_safetensors(safetensors_file(head, bytes(4)))
     assert list(tensors) == ["q"] and len(metadata) == 1
+
+
+def test_scales_and_caps_past_float32s_range(http, native, oip):
+    """The kernels compute in float32: a scale past its range is refused on every transport (it
+    would be inf there, and every answer NaN); a cap past it bounds nothing, so the answer is the
+    uncapped one, bit for bit."""
+    t = qkv(5)
+    body = {n: x.tolist() for n, x in t.items()}
+    for scale in ("1e39", "-1e300"):
+        r = http.post("/attention", params={"scale": scale}, json=body)
+        assert "float32" in message(assert_refused(r, {400})), r.text
+        r = http.post("/v2/models/attention/infer", json={
+            "inputs": [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()}
+                       for n, x in t.items()], "parameters": {"scale": float(scale)}})
+        assert "float32" in message(assert_refused(r, {400})), r.text
+    plain = http.post("/attention", json=body, params={"return_lse": "true"})
+    assert plain.status_code == 200, plain.text
+    for cap in ("1e39", "1e300"):
+        r = http.post("/attention", params={"softcap": cap, "return_lse": "true"}, json=body)
+        assert r.status_code == 200 and r.json() == plain.json(), r.text
+    msg = {n: grpc_tensor(x) for n, x in t.items()}
+    a, b = native.Attend(apb.AttendRequest(**msg), timeout=30), native.Attend(apb.AttendRequest(**msg, softcap=1e300),
+                                                                            timeout=30)
+    assert a.o.data == b.o.data
+    assert grpc_status(native.Attend, apb.AttendRequest(**msg, scale=1e39)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_session_sizes_and_q_lengths_of_the_wrong_kind_are_refused(http, native, session):
+    """A session's layers are made when it is created: more than MAX_LAYERS is a 422 before any
+    is made (a huge count once took the server's memory); q_lengths that is a number, not a list,
+    is a 400; nothing is appended and the server keeps serving."""
+    from service.sessions.manager import MAX_LAYERS
+
+    for layers in (MAX_LAYERS + 1, 10**12):
+        r = http.post("/sessions", json={**SESSION, "layers": layers})
+        assert f"1 to {MAX_LAYERS}" in message(assert_refused(r, {422})), r.text
+        r = http.post("/v2/models/attention/infer", json={
+            "parameters": {"sequence_id": "big", "sequence_start": True, "layers": layers},
+            "inputs": [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()}
+                       for n, x in qkv().items()]})
+        assert f"1 to {MAX_LAYERS}" in message(assert_refused(r, {422})), r.text
+    status = grpc_status(native.CreateSession, apb.CreateSessionRequest(layers=2**31 - 1, num_kv_heads=2, head_dim=4,
+                                                                        dtype=apb.FLOAT32))
+    assert status == grpc.StatusCode.INVALID_ARGUMENT
+    r = http.post("/sessions", json={**SESSION, "layers": MAX_LAYERS})
+    assert r.status_code == 201, r.text
+    assert http.delete(f"/sessions/{r.json()['session']}").status_code == 204
+    before = _lengths(http, session)
+    r = http.post("/sessions/attend", json={"sessions": [session], "q": [[[1.0, 2, 3, 4]] * 2], "q_lengths": 1})
+    assert "q_lengths" in message(assert_refused(r, {400})), r.text
+    assert _lengths(http, session) == before
+    assert_serving(http, native)
