@@ -227,12 +227,17 @@ def cpu_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU "auto" path: torch's CPU flash kernel (faster than ``blockwise_attention``; see
     docs/kernels.md#the-cpu-path-referencecpu_attention), made to keep the contract —
-    bottom-right causal, kv_lengths (one
-    call per batch row with its keys cut to length), rows with no key -> (0, -inf). Falls back to
-    ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd, and
+    bottom-right causal, kv_lengths (each batch element's keys cut to its length), rows with no
+    key -> (0, -inf), batch invariance (one call per batch element, from 64-byte-aligned copies).
+    Falls back to ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd, and
     the score modifiers: torch's kernel takes no window, cap or bias short of an Nq x Nk mask)."""
     if masks.active:
         return _blockwise_each(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, masks=masks)
+    if q.shape[0] > 1:  # torch's kernel rounds an element by where it lies in the batch: one call each
+        outs = [cpu_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal, scale=scale,
+                              kv_lengths=None if kv_lengths is None else kv_lengths[b:b + 1])
+                for b in range(q.shape[0])]
+        return torch.cat([o for o, _ in outs], dim=0), torch.cat([lse for _, lse in outs], dim=0)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)

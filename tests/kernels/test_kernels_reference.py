@@ -166,3 +166,23 @@ def test_cpu_path_memory_is_linear_in_n():
     assert env_out.returncode == 0, env_out.stderr
     extra = int(env_out.stdout.strip().splitlines()[-1])
     assert extra < 160 * 2**20, f"CPU path grew RSS by {extra / 2**20:.0f} MiB (a stored S is 1024 MiB)"
+
+
+@pytest.mark.parametrize("shape", [(5, 8, 1, 1000, 64), (3, 4, 37, 37, 16), (4, 2, 9, 300, 40)],
+                         ids=["decode", "prefill", "chunk"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [False, True], ids=["dense", "kv_lengths"])
+def test_cpu_path_batched_is_each_alone_bit_for_bit(shape, causal, lengths):
+    """The CPU server's path (torch's CPU flash kernel): an element's bits must not depend on the
+    batch it came in (the kernel rounds a decode row by where it lies in the batch)."""
+    from kernels.reference import cpu_attention
+
+    b, h, nq, nk, d = shape
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for n in (nq, nk, nk))
+    kvl = torch.tensor([nk - 3 * i for i in range(b)], dtype=torch.int32) if lengths else None
+    o, lse = cpu_attention(q, k, v, causal=causal, scale=d ** -0.5, kv_lengths=kvl)
+    for i in range(b):
+        alone = cpu_attention(q[i:i + 1].clone(), k[i:i + 1].clone(), v[i:i + 1].clone(), causal=causal,
+                              scale=d ** -0.5, kv_lengths=None if kvl is None else kvl[i:i + 1])
+        assert torch.equal(o[i:i + 1], alone[0]) and torch.equal(lse[i:i + 1], alone[1]), i
