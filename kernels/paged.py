@@ -118,8 +118,9 @@ def attention_paged(
     block_table: int32 (S, max_pages), page indices in any order (pages may be shared; entries past
     a sequence's last page are ignored); cache_lens: int32 (S,), every key of sequence s, its query
     rows' own included; cu_seqlens_q: int32 (S + 1,). All index tensors on q's device. The n_s query
-    rows of sequence s are its last n_s tokens: with causal, row i sees keys
-    j <= i + cache_lens[s] - n_s. Slots past cache_lens[s] are never read.
+    rows of sequence s are aligned bottom-right, as ``attention``'s: with causal, row i sees keys
+    j <= i + cache_lens[s] - n_s (a query of more rows than keys, e.g. a q-only step against few
+    cached keys, has first rows that see none). Slots past cache_lens[s] are never read.
     Returns o (total_q, heads_q, headdim) in q's dtype and, with return_lse, lse float32
     (heads_q, total_q); rows that see no key give o = 0 and lse = -inf. Each sequence's answer is
     bit for bit its answer alone. cu_seqlens_q and cache_lens are read on the host (one small copy,
@@ -152,10 +153,9 @@ def attention_paged(
         any_bad = _any_bad_host(checked, lens, page, k_pages.shape[0])
         bad = _bad_entries(checked, h_cl, page, k_pages.shape[0]) if any_bad else None  # the error path's mask
     q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
-    few = next((s for s, (n, nq) in enumerate(zip(lens, q_lens, strict=True)) if n < nq), None)
-    if few is not None:
-        raise SeqLensError(f"cache_lens[{few}] = {lens[few]} is less than the sequence's {q_lens[few]} query rows "
-                           "(cache_lens counts every key, the query rows' own included)")
+    neg = next((s for s, n in enumerate(lens) if n < 0), None)
+    if neg is not None:
+        raise SeqLensError(f"cache_lens[{neg}] = {lens[neg]}: a sequence's key count must be >= 0")
     _check_coverage(lens, checked, page, k_pages.shape[0], "", bad, any_bad)
     with torch.no_grad():
         if impl == "flash":

@@ -41,7 +41,7 @@ import torch
 
 import kernels
 from service.core.batcher import ALONE_GAP_S
-from service.errors import DeadlineExceeded, InvalidInput, NotFound, ServiceError, Unavailable, from_kernel_error
+from service.errors import DeadlineExceeded, NotFound, ServiceError, Unavailable, from_kernel_error
 from service.sessions.cache import Geometry, KVCache, Reservation, SequenceKV
 from service.sessions.step import SessionStep
 
@@ -131,13 +131,7 @@ def _reserve(cache: KVCache, w: Work) -> Reservation:
     for seq in w.seqs:
         if seq.session.ended:
             raise NotFound(f"session {seq.session.id!r} ended before this step ran; nothing was appended")
-        n = seq.rows[1] - seq.rows[0]
-        new = n if step.k is not None else 0
-        if seq.kv.length + new < n:
-            raise InvalidInput(
-                f"session {seq.session.id!r} layer {step.layer} holds {seq.kv.length} keys, fewer than the "
-                f"step's {n} queries: a step without k, v needs as many keys held as it has query rows"
-            )
+        new = seq.rows[1] - seq.rows[0] if step.k is not None else 0
         w.before.append(seq.kv.length)
         grow.append((seq.kv, new))
     return cache.reserve(w.geometry, grow)

@@ -36,6 +36,8 @@ CASES = {
     "page256_noncausal": ([3, 0, 2], [300, 0, 2], 256, 4, 2, 40, False, 0),  # an empty sequence; one partial page
     "shared_prefix": ([1, 4], [100, 70], 16, 4, 2, 64, True, 4),           # sequence 1 reads 0's first 4 pages
     "d256": ([2], [70], 16, 2, 2, 256, True, 0),                           # the largest head dim
+    "rows_past_keys": ([5, 7, 3], [2, 0, 3], 16, 4, 2, 32, True, 0),        # a q-only step: more rows than keys
+    "rows_past_keys_full": ([5, 7], [2, 0], 16, 4, 2, 32, False, 0),       # ... against an encoder's keys
 }
 FP16 = ["decode_page16", "page17_mqa", "shared_prefix"]
 GPU_ONLY = {
@@ -258,7 +260,7 @@ PAGED_BAD = {  # name: (change, error, message fragment)
     "page_negative": (dict(block_table=lambda a: with_column(a["block_table"], 1, -1)),
                       BlockTableError, r"block_table\[0, 1\] = -1 names no page"),
     "cache_lens_int64": (dict(cache_lens=lambda a: a["cache_lens"].long()), SeqLensError, "int32"),
-    "cache_lens_lt_q": (dict(cache_lens=lambda a: idx([20, 1])), SeqLensError, "less than"),
+    "cache_lens_negative": (dict(cache_lens=lambda a: idx([20, -1])), SeqLensError, ">= 0"),
     "cu_end": (dict(cu_seqlens_q=lambda a: idx([0, 1, 2])), SeqLensError, "end at"),
     "q_heads": (dict(q=lambda a: a["q"][:, :3]), ShapeError, "multiple"),
 }
@@ -309,8 +311,8 @@ def test_paged_host_index_is_checked():
     bad_table[17, 0] = -3
     with pytest.raises(BlockTableError, match=r"block_table\[17, 0\] = -3 names no page"):
         attention_paged(**many, host_index=(host_many[0], host_many[1], bad_table))
-    with pytest.raises(SeqLensError, match="less than"):
-        attention_paged(**args, host_index=(cu_q, idx([20, 1]).cpu(), table))
+    with pytest.raises(SeqLensError, match=">= 0"):
+        attention_paged(**args, host_index=(cu_q, idx([20, -1]).cpu(), table))
     with pytest.raises(SeqLensError, match="shape"):
         attention_paged(**args, host_index=(cu_q[:2], cl, table))
     with pytest.raises(SeqLensError, match="host_index"):
