@@ -32,6 +32,7 @@ This module imports transformers; ``service.client`` does not import this module
 from __future__ import annotations
 
 import threading
+import uuid
 from typing import Any
 
 import torch
@@ -179,10 +180,11 @@ class SessionCache(Cache):
         super().__init__(layers=[SessionLayer(batch_size) for _ in range(self.num_layers)])
         self.sessions: list[Session] = []
         self._failed: BaseException | None = None
+        group = uuid.uuid4().hex  # the batch's sessions share a group: one server process holds them all
         try:
-            for _ in range(batch_size):
+            for i in range(batch_size):
                 self.sessions.append(client.create_session(self.num_kv_heads, self.head_dim, dtype,
-                                                           layers=self.num_layers))
+                                                           layers=self.num_layers, session=f"{group}:{i}"))
         except BaseException:
             self.close()
             raise

@@ -4,7 +4,10 @@ Under ``--processes N`` the kernel hands each connection to any of the N process
 keys and values live in one of them. So:
 
 - the owner of a session id is a pure function of the id and N, the same in every process:
-  ``owner(id, N) = zlib.crc32(id.encode()) % N`` (``owner``); clients may compute it too;
+  ``owner(id, N) = zlib.crc32(group.encode()) % N`` (``owner``), where the group is the id's part
+  before its first ``:`` (the whole id when it has none or starts with one); clients may compute it
+  too, and sessions named ``<group>:<anything>`` always live in one process, so they can always be
+  packed together (``SessionCache`` names a batch's sessions so);
 - a server-made id is drawn until it lands on the process that makes it (``SessionIds``), so a
   ``POST /sessions`` without an id is never forwarded;
 - each process also listens on private unix sockets in the supervisor's private folder
@@ -46,8 +49,12 @@ FORWARDED = "x-attnserve-forwarded"
 
 
 def owner(session: str, processes: int) -> int:
-    """The index of the process that holds ``session`` among ``processes``."""
-    return zlib.crc32(session.encode("utf-8")) % processes if processes > 1 else 0
+    """The index of the process that holds ``session`` among ``processes``: that of its group (the
+    part before its first ":", the whole id when there is none or it comes first)."""
+    if processes <= 1:
+        return 0
+    group = session.split(":", 1)[0] or session
+    return zlib.crc32(group.encode("utf-8")) % processes
 
 
 @dataclass(frozen=True)
@@ -125,8 +132,9 @@ def single_owner(p: Peers, sessions: list[str]) -> int:
     together = "; ".join(f"process {i}: {', '.join(ids)}" for i, ids in sorted(groups.items()))
     raise InvalidInput(
         f"a packed step's sessions must live in one process, and these live in {len(groups)} of the server's "
-        f"{p.count} ({together}); send one packed step per process (a session's process is "
-        f"zlib.crc32(id) % {p.count}, GET /sessions says 'processes')"
+        f"{p.count} ({together}); name sessions you pack together with one group before a ':' (g:0, g:1, "
+        f"...: they live in one process), or send one packed step per process (a session's process is "
+        f"zlib.crc32(group) % {p.count}, GET /sessions says 'processes')"
     )
 
 

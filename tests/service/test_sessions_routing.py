@@ -27,6 +27,11 @@ FWD = routing.FORWARDED
 def test_owner_is_a_pure_function_and_server_ids_land_home():
     assert routing.owner("abc", 2) == __import__("zlib").crc32(b"abc") % 2
     assert routing.owner("abc", 1) == 0
+    # a group (the part before the first ":") lives in one process, whatever follows it
+    zlib = __import__("zlib")
+    for n in (2, 3, 5):
+        assert {routing.owner(f"g7:{i}", n) for i in range(40)} == {zlib.crc32(b"g7") % n}
+        assert routing.owner(":x", n) == zlib.crc32(b":x") % n  # no group before it: the whole id
     p = routing.Peers.parse("1/3@/tmp/x")
     assert (p.index, p.count, p.folder, p.http_path(2)) == (1, 3, "/tmp/x", "/tmp/x/http-2.sock")
     for bad in ("3/3@/tmp/x", "1/3", "a/b@/x", "1@/x"):
@@ -226,3 +231,48 @@ def test_oip_sequence_calls_reach_their_process(server, kind):
             q = rand(1, HQ, 1, D, seed=9000)
             client().infer("attention", inputs({"q": q}), sequence_id=s, sequence_end=True)
     assert not set(call("GET", url + "/sessions").json()["sessions"]) & set(map(str, ids))  # ended, each
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="--processes")
+def test_sessions_of_one_group_pack_together_from_any_process(server):
+    """Sessions named <group>:<i> live in one process: a packed step over them is served whichever
+    process accepts it (fresh connections), and equals each session's single steps; SessionCache
+    names a batch's sessions so."""
+    from service.client import AttentionClient
+    from service.client.transformers import SessionCache
+
+    url = server.url
+    ids = [f"batch-{i % 3}x:{i}" for i in range(6)]  # three groups of two
+    for s in ids:
+        r = call("POST", url + "/sessions", json={"session": s, "num_kv_heads": HKV, "head_dim": D,
+                                                   "dtype": "float32"})
+        assert r.status_code == 201, r.text
+    groups = [[s for s in ids if s.startswith(f"batch-{g}x:")] for g in range(3)]
+    ks = {s: [] for s in ids}
+    vs = {s: [] for s in ids}
+    for rnd in range(4):
+        for g, members in enumerate(groups):
+            q, k, v = (rand(len(members), h, D, seed=100 * rnd + 10 * g + j) for j, h in enumerate((HQ, HKV, HKV)))
+            r = call("POST", url + "/sessions/attend", params={"sessions": ",".join(members)}, headers=ST,
+                     content=st.save({"q": q, "k": k, "v": v,
+                                      "q_lengths": torch.ones(len(members), dtype=torch.int32)}))
+            assert r.status_code == 200, r.text
+            o = st.load(r.content)["o"]
+            for j, s in enumerate(members):
+                ks[s].append(k[j][None, :, None])
+                vs[s].append(v[j][None, :, None])
+                want = attention(url, q[j][None, :, None], torch.cat(ks[s], 2), torch.cat(vs[s], 2))
+                torch.testing.assert_close(o[j][None, :, None], want, atol=1e-5, rtol=1e-5)
+    for s in ids:
+        assert call("DELETE", f"{url}/sessions/{s}").status_code == 204
+
+    class Config:  # what SessionCache reads of a model's config
+        num_hidden_layers, num_key_value_heads, num_attention_heads, hidden_size, head_dim = 2, HKV, HQ, HQ * D, D
+
+    with AttentionClient(url) as client:
+        cache = SessionCache(client, Config(), batch_size=4, dtype=torch.float32)
+        try:
+            names = [s.id for s in cache.sessions]
+            assert len({routing.owner(n, 2) for n in names}) == 1 and len(set(names)) == 4, names
+        finally:
+            cache.close()
