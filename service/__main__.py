@@ -1,16 +1,11 @@
 """``python -m service --help`` lists every option; each also reads an ATTNSERVE_* variable."""
 
-import os
 import sys
 
-from service.openmp import configure as configure_openmp
+from pydantic import ValidationError
 
-configure_openmp(os.environ)  # before torch loads libgomp, which reads it once
-
-from pydantic import ValidationError  # noqa: E402
-
-from service.server import main  # noqa: E402
-from service.settings import build_parser, load_settings  # noqa: E402
+from service.server import main
+from service.settings import build_parser, load_settings
 
 if __name__ == "__main__":
     try:
