@@ -720,16 +720,21 @@ def test_only_a_request_that_comes_alone_is_answered_at_once(monkeypatch, gate):
         return AttentionResult(o=o, lse=lse if req.return_lse else None, request_id=req.request_id)
 
     monkeypatch.setattr(Worker, "run_now", run_now)
+    # a wide gap: a burst's next request arrives once the first's answer at once has run on the loop,
+    # which on a loaded CPU can pass the usual 0.25 ms; the sleeps below are gaps wider still
+    import service.core.batcher as batcher
+
+    monkeypatch.setattr(batcher, "ALONE_GAP_S", 0.05)
     shape, options = SHAPES[0], OPTIONS[1]
 
     async def main():
         async with started_engine("--max-queue-delay-ms", "20") as engine:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
             lone = make_request(shape, options, seed=1)
             lone_res = await engine.attend(lone)
             assert at_once == [lone]
 
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
             launches, _ = batch_sizes(engine)
             burst = [make_request(shape, options, seed=10 + i) for i in range(16)]
             burst_res = await asyncio.gather(*(engine.attend(r) for r in burst))
@@ -738,14 +743,14 @@ def test_only_a_request_that_comes_alone_is_answered_at_once(monkeypatch, gate):
             assert launched - launches < 16 - (len(at_once) - 1), "the burst did not batch"
 
             g = gate(hold=True)  # a launch held on the worker: the server holds a request
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
             first = asyncio.ensure_future(engine.attend(make_request(shape, options, seed=40)))  # at once
             second = asyncio.ensure_future(engine.attend(make_request(shape, options, seed=41)))  # queued
             await g.wait_entered()
-            await asyncio.sleep(0.01)  # a gap: alone in time, but not on an idle server
+            await asyncio.sleep(0.1)  # a gap: alone in time, but not on an idle server
             n = len(at_once)
             third = asyncio.ensure_future(engine.attend(make_request(shape, options, seed=42)))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
             assert len(at_once) == n and not third.done()
             g.opened.set()
             held_res = await asyncio.gather(first, second, third)
