@@ -72,7 +72,7 @@ def _zero_padding(v: torch.Tensor, kv_lengths: torch.Tensor | None, c0: int) -> 
         return v
     c = torch.arange(c0, c0 + v.shape[2], device=v.device)
     pad = c[None, :] >= kv_lengths.to(device=v.device, dtype=torch.int64)[:, None]  # (B, n)
-    return v.masked_fill(pad[:, None, :, None], 0.0) if bool(pad.any()) else v
+    return v.masked_fill(pad[:, None, :, None], 0.0)
 
 
 def _finish(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,28 +261,15 @@ def cpu_attention(
 def _nonfinite_again(out: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                      causal: bool, scale: float,
                      kv_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` with each batch element that holds a non-finite q, k or v answered again, alone, by
-    ``blockwise_attention``: torch's CPU kernel answers a row whose scores meet a NaN with o = 0,
-    lse = 0 over a few keys (the contract says NaN). An element's bits still depend on it alone."""
-    b = q.shape[0]
-    if kv_lengths is None:
-        finite = torch.isfinite(q).reshape(b, -1).all(1) & torch.isfinite(k).reshape(b, -1).all(1) & \
-            torch.isfinite(v).reshape(b, -1).all(1)
-    else:  # the padding past kv_lengths may hold anything: it is never read
-        finite = torch.tensor([bool(torch.isfinite(q[i]).all() and torch.isfinite(k[i, :, :n]).all()
-                                    and torch.isfinite(v[i, :, :n]).all())
-                               for i, n in enumerate(kv_lengths.tolist())])
-    if bool(finite.all()):
+    """``out`` of one batch element (B = 1), answered again by ``blockwise_attention`` when its q, or
+    its k, v up to kv_lengths (padding may hold anything), hold a non-finite value: torch's CPU
+    kernel answers a row whose scores meet a NaN with o = 0, lse = 0 over a few keys (the contract
+    says NaN)."""
+    n = k.shape[2] if kv_lengths is None else int(kv_lengths[0])
+    if bool(torch.isfinite(q).all()) and bool(torch.isfinite(k[:, :, :n]).all()) \
+            and bool(torch.isfinite(v[:, :, :n]).all()):
         return out
-    if out[0].requires_grad:  # under autograd: the whole call by the loop, which has gradients
-        return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
-    o, lse = out[0].clone(), out[1].clone()
-    for i in (~finite).nonzero().flatten().tolist():
-        sl = slice(i, i + 1)
-        q_b, k_b, v_b = (t[sl].clone(memory_format=torch.contiguous_format) for t in (q, k, v))
-        o[sl], lse[sl] = blockwise_attention(q_b, k_b, v_b, causal=causal, scale=scale,
-                                             kv_lengths=None if kv_lengths is None else kv_lengths[sl])
-    return o, lse
+    return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
 
 
 def _blockwise_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,

@@ -164,13 +164,12 @@ def limited_protocol(base: type[asyncio.Protocol] | str, settings: Settings) -> 
             )
 
         def on_response_complete(self) -> None:
-            deferred, self._deferred = self._deferred, None
-            if deferred is None or self.pipeline or self.transport.is_closing():
-                self._deferred = deferred if self.pipeline else None  # the requests before it go first
-                super().on_response_complete()
+            if self._deferred is None or self.pipeline or self.transport.is_closing():
+                super().on_response_complete()  # requests pipelined before the bad head go first
                 return
             self.server_state.total_requests += 1
-            self._write_refusal(*deferred)
+            self._write_refusal(*self._deferred)
+            self._deferred = None
             self.transport.close()
 
         # ---- the timers: one per connection, re-armed from its own callback
