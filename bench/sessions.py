@@ -60,10 +60,15 @@ class Poster:
     """The timed HTTP calls' client: ``http.client`` over one keep-alive connection (the default,
     as ``bench.http_latency``: its own cost is ~0.1 ms a small call, so what is timed is the
     server's) or ``httpx`` (what most Python clients use; it adds ~1 ms a small call).
-    ``post(path, body)`` -> (the answer's bytes, its Server-Timing header)."""
+    ``post(path, body)`` -> (the answer's bytes, its Server-Timing header). A connection idle for
+    ``IDLE_S`` is opened again before its next call: the server closes keep-alive connections idle
+    for 5 s (uvicorn's default), e.g. while a row prefills its sessions."""
+
+    IDLE_S = 3.0
 
     def __init__(self, kind: str, client: httpx.Client):
         self.kind, self.client = kind, client
+        self.used = time.monotonic()
         if kind == "http.client":
             url = client.base_url
             self.conn = http.client.HTTPConnection(url.host, url.port, timeout=600)
@@ -72,9 +77,13 @@ class Poster:
         if self.kind == "httpx":
             r = _post(self.client, path, body)
             return r.content, r.headers.get("server-timing", "")
+        if time.monotonic() - self.used > self.IDLE_S:
+            self.conn.close()  # http.client connects again on the next request
+        self.used = time.monotonic()
         self.conn.request("POST", path, body=body, headers={"Content-Type": "application/x-safetensors"})
         r = self.conn.getresponse()
         data = r.read()
+        self.used = time.monotonic()
         if r.status >= 300:
             raise RuntimeError(f"{path}: {r.status} {data[:300]!r}")
         return data, r.getheader("server-timing", "")

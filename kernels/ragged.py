@@ -159,13 +159,35 @@ class Plan:
         return [(self.decode, self.cfgs[0], True), (self.prefill, self.cfgs[1], False),
                 (self.chunk, self.cfgs[2], False)]
 
+    @classmethod
+    def over(cls, buf: torch.Tensor, layout: PlanLayout) -> Plan:
+        """The plan whose int32 rows are ``buf`` (the flat list of ``layout``, copied there)."""
+        views, at = [], 0
+        for rows, width in layout.shapes:
+            views.append(buf[at:at + rows * width].view(rows, width))
+            at += rows * width
+        return cls(*views, part_rows=layout.part_rows, cfgs=layout.cfgs)
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """A plan before it is on a device: its int32 values, flat (seq rows, then each class's work
+    items, then the merge rows), the (rows, width) of each of those parts, the partial rows and the
+    classes' configs. Two calls of equal ``shapes`` and ``cfgs`` launch the same grids; only the
+    values differ (a CUDA graph captured over one replays the other with its values copied in)."""
+
+    flat: Sequence[int] | np.ndarray
+    shapes: tuple[tuple[int, int], ...]
+    part_rows: int
+    cfgs: tuple[Config, Config, Config]
+
 
 SMALL_PLAN_ITEMS = 256  # up to this many work items a plan is listed in plain Python (numpy's per-call cost dominates)
 
 
-def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
-               hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
-               interpret: bool) -> Plan:
+def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
+                hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
+                interpret: bool) -> PlanLayout:
     """Plan every sequence alone (``sequence_plan``) and list the work items: per sequence, its row
     tiles by its key splits, in that order; prefill and chunk items are then ordered longest first
     (better tail balance; the order changes no bits). This runs on every call whose lengths are new
@@ -183,16 +205,20 @@ def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[
         flat, shapes, part_rows = _list_plan(nq_l, nk_l, k_starts, plans, block_ms, causal)
     else:
         flat, shapes, part_rows = _numpy_plan(nq_l, nk_l, k_starts, plans, block_ms, causal)
-    # one int32 buffer; on a GPU pinned and copied in stream order (a pageable copy would wait for the device)
+    return PlanLayout(flat, tuple(tuple(int(x) for x in sh) for sh in shapes), part_rows, cfgs)
+
+
+def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
+               hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, causal: bool,
+               interpret: bool) -> Plan:
+    """``plan_layout``'s plan in one int32 buffer on ``device`` (one host-to-device copy)."""
+    layout = plan_layout(q_lens, k_lens, k_starts, hq, hkv, d, dtype, device, causal, interpret)
+    # on a GPU pinned and copied in stream order (a pageable copy would wait for the device)
     cuda = device.type == "cuda"
-    host = torch.empty(max(1, len(flat)), dtype=torch.int32, pin_memory=cuda)
-    host.numpy()[: len(flat)] = flat
+    host = torch.empty(max(1, len(layout.flat)), dtype=torch.int32, pin_memory=cuda)
+    host.numpy()[: len(layout.flat)] = layout.flat
     buf = host.to(device, non_blocking=True) if cuda else host
-    views, at = [], 0
-    for rows, width in shapes:
-        views.append(buf[at:at + rows * width].view(rows, width))
-        at += rows * width
-    return Plan(*views, part_rows=part_rows, cfgs=cfgs)
+    return Plan.over(buf, layout)
 
 
 def _list_plan(nq: list[int], nk: list[int], k_starts: Sequence[int] | None, plans: list[tuple[int, ...]],
@@ -317,19 +343,30 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
     Varlen (``block_table`` None): k, v (Tk, Hkv, D), sequence s's keys at rows
     k_starts[s] : k_starts[s] + k_lens[s]. Paged: k, v (P, page_tokens, Hkv, D), key j of sequence
     s at page block_table[s, j // page_tokens], row j % page_tokens."""
+    t_q, hq, d = q.shape
+    dev = q.device
+    if t_q == 0:
+        return (torch.empty(t_q, hq, d, dtype=q.dtype, device=dev),
+                torch.empty(hq, t_q, dtype=torch.float32, device=dev))
+    interpret = triton_interpret() and dev.type == "cpu"
+    stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else None
+    plan = cached_plan(tuple(q_lens), tuple(k_lens), None if k_starts is None else tuple(k_starts), hq,
+                       k.shape[-2], d, q.dtype, dev, bool(causal), interpret, stream)
+    return launch_plan(q, k, v, plan, causal=causal, scale=scale, block_table=block_table, masks=masks)
+
+
+def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *, causal: bool, scale: float,
+                block_table: torch.Tensor | None = None,
+                masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_ragged``'s launches over a plan already on q's device (of the call's lengths): reads
+    nothing on the host, so a CUDA graph can capture it over a plan buffer that each replay fills."""
     from .jit import varlen as jit
 
     t_q, hq, d = q.shape
     hkv = k.shape[-2]
     dev = q.device
-    interpret = triton_interpret() and dev.type == "cpu"
     o = torch.empty(t_q, hq, d, dtype=q.dtype, device=dev)
     lse = torch.empty(hq, t_q, dtype=torch.float32, device=dev)
-    if t_q == 0:
-        return o, lse
-    stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else None
-    plan = cached_plan(tuple(q_lens), tuple(k_lens), None if k_starts is None else tuple(k_starts), hq, hkv, d,
-                       q.dtype, dev, bool(causal), interpret, stream)
     part_rows = max(plan.part_rows, 1)
     o_part = torch.empty(part_rows, hq, d, dtype=torch.float32, device=dev) if plan.part_rows else \
         _placeholder(dev, torch.float32)

@@ -83,7 +83,8 @@ class Settings(BaseSettings):
         "alone (the server holds no other request, and none came in the last 0.25 ms) runs at once on the "
         "event loop as a replay of a CUDA graph captured for its shape (the first request of a shape has "
         "it captured, after its own launch): no batcher or worker-thread hand-offs, no kernel launch in "
-        "Python; requests in bursts batch as usual; 0: never",
+        "Python; requests in bursts batch as usual; the same for a session step of one session that runs "
+        "inline (--session-inline-rows): a graph of its append and paged attention; 0: never",
     )
     max_json_mb: float = Field(
         64.0,

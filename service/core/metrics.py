@@ -138,6 +138,12 @@ class Metrics:
             ["device"],
             registry=r,
         )
+        self.session_graph_exec = Counter(
+            "attnserve_session_graph_exec",
+            "Session steps run at once by replaying a captured CUDA graph (--graph-max-kib)",
+            ["device"],
+            registry=r,
+        )
         self.memory_used = Gauge(
             "attnserve_gpu_memory_used_bytes",
             "Device memory held by tensors (torch.cuda.memory_allocated)",

@@ -150,6 +150,21 @@ def copy_parts(dst: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         b0 = b1
 
 
+def carve(shapes: list[tuple[torch.dtype, tuple[int, ...]]], pin: bool = False,
+           buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One uint8 buffer (new, pinned if ``pin``, or ``buffer``) and a tensor of each (dtype, shape)
+    in it, each starting at a multiple of 16 bytes."""
+    offsets, end = [], 0
+    for dt, shape in shapes:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dt.itemsize // 16) * 16
+    if buffer is None:
+        buffer = torch.empty(max(end, 16), dtype=torch.uint8, pin_memory=pin)
+    views = [buffer[at : at + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+             for at, (dt, shape) in zip(offsets, shapes, strict=True)]
+    return buffer, views
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A new (pageable) CPU tensor equal to the contiguous host tensor ``t``: one memmove."""
     out = torch.empty(t.shape, dtype=t.dtype)

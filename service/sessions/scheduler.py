@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -41,8 +40,10 @@ import torch
 
 import kernels
 from service.core.batcher import ALONE_GAP_S
+from service.core.staging import carve, copy_parts
 from service.errors import DeadlineExceeded, NotFound, ServiceError, Unavailable, from_kernel_error
 from service.sessions.cache import Geometry, KVCache, Reservation, SequenceKV
+from service.sessions.graphs import StepGraphs
 from service.sessions.step import SessionStep
 
 log = logging.getLogger("attnserve.sessions")
@@ -102,11 +103,14 @@ class _Launched:
     lse: torch.Tensor  # host (Hq, ΣT)
     staged: float = 0.0  # time.perf_counter() once q, k, v and the indices were staged
     enqueued: float = 0.0  # ... once the append, the attention and the copies back were enqueued
+    replayed: bool = False  # by a CUDA graph (``service.sessions.graphs``)
 
 
-def launch_steps(cache: KVCache, works: list[Work], lock: Any) -> tuple[tuple[list[_Launched], dict], Any]:
-    """Launcher thread: run ``works`` (one key) in one paged launch. Returns ((launched parts,
-    {work: error}), the CUDA event after the last copy or None)."""
+def launch_steps(cache: KVCache, works: list[Work], lock: Any,
+                 graphs: StepGraphs | None = None) -> tuple[tuple[list[_Launched], dict], Any]:
+    """Launcher thread (or inline, with the ``graphs`` a lone work may replay): run ``works`` (one
+    key) in one paged launch. Returns ((launched parts, {work: error}), the CUDA event after the
+    last copy or None)."""
     failed: dict[Work, ServiceError] = {}
     now = time.monotonic()
     live: list[tuple[Work, Reservation]] = []
@@ -120,7 +124,7 @@ def launch_steps(cache: KVCache, works: list[Work], lock: Any) -> tuple[tuple[li
     parts: list[_Launched] = []
     done = None
     if live:
-        done = _launch_or_split(cache, live, lock, parts, failed)
+        done = _launch_or_split(cache, live, lock, parts, failed, graphs)
     return (parts, failed), done
 
 
@@ -137,8 +141,10 @@ def _reserve(cache: KVCache, w: Work) -> Reservation:
     return cache.reserve(w.geometry, grow)
 
 
-def _launch_or_split(cache, live, lock, parts, failed):
+def _launch_or_split(cache, live, lock, parts, failed, graphs=None):
     try:
+        if graphs is not None and len(live) == 1 and _replay(graphs, live[0][0], parts):
+            return None
         return _enqueue(cache, [w for w, _ in live], lock, parts)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the works' outcome
         for _, r in reversed(live):
@@ -169,6 +175,21 @@ def _launch_or_split(cache, live, lock, parts, failed):
         for w, _ in live:
             failed[w] = error
         return None
+
+
+def _replay(graphs: StepGraphs, work: Work, parts: list[_Launched]) -> bool:
+    """Run ``work`` (its pages reserved) by its key's CUDA graph, waiting for the device; False when
+    it has none (it is asked for). A replay that raises drops its graph and fails the step."""
+    try:
+        got = graphs.replay(work)
+    except Exception:
+        graphs.drop(work)
+        raise
+    if got is None:
+        return False
+    o, lse, staged, enqueued = got
+    parts.append(_Launched([work], o, lse, staged, enqueued, replayed=True))
+    return True
 
 
 def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched]) -> Any:
@@ -208,7 +229,7 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
     if slopes:
         shapes.append((torch.float32, (n_seq, hq)))
     # on a GPU: one pinned buffer and one host->device copy for all of them (each copy costs host time)
-    host_buf, host_t = _carve(shapes, pin=cuda)
+    host_buf, host_t = carve(shapes, pin=cuda)
     host = host_t[0]
     view = host.numpy()
     view[: len(flat)] = flat
@@ -224,7 +245,7 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
         _cat(slopes, host_t[-1])
     dev_t = host_t
     if cuda:
-        dev_t = _carve(shapes, buffer=host_buf.to(device, non_blocking=True))[1]
+        dev_t = carve(shapes, buffer=host_buf.to(device, non_blocking=True))[1]
     index, q = dev_t[0], dev_t[1]
     k, v = (dev_t[2], dev_t[3]) if k_parts else (None, None)
     alibi = dev_t[-1] if slopes else None
@@ -244,7 +265,7 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
                                          alibi_slopes=alibi)
     done = None
     if cuda:
-        _, (o_host, lse_host) = _carve([(o.dtype, tuple(o.shape)), (lse.dtype, tuple(lse.shape))], pin=True)
+        _, (o_host, lse_host) = carve([(o.dtype, tuple(o.shape)), (lse.dtype, tuple(lse.shape))], pin=True)
         o_host.copy_(o, non_blocking=True)
         lse_host.copy_(lse, non_blocking=True)
         done = torch.cuda.Event()
@@ -265,24 +286,9 @@ def _runs(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _carve(shapes: list[tuple[torch.dtype, tuple[int, ...]]], pin: bool = False,
-           buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One uint8 buffer (new, pinned if ``pin``, or ``buffer``) and a tensor of each (dtype, shape)
-    in it, each starting at a multiple of 16 bytes."""
-    offsets, end = [], 0
-    for dt, shape in shapes:
-        offsets.append(end)
-        end += -(-math.prod(shape) * dt.itemsize // 16) * 16
-    if buffer is None:
-        buffer = torch.empty(max(end, 16), dtype=torch.uint8, pin_memory=pin)
-    views = [buffer[at : at + math.prod(shape) * dt.itemsize].view(dt).view(shape)
-             for at, (dt, shape) in zip(offsets, shapes, strict=True)]
-    return buffer, views
-
-
 def _cat(parts: list[torch.Tensor], out: torch.Tensor) -> None:
-    if len(parts) == 1:
-        out.copy_(parts[0])
+    if len(parts) == 1 or all(p.is_contiguous() for p in parts):
+        copy_parts(out, parts)
     else:
         torch.cat(parts, out=out)
 
@@ -304,6 +310,10 @@ class StepScheduler:
         self._last_arrival = float("-inf")  # time.monotonic() of the last work submitted
         self._batch_size = metrics.session_batch_size.labels(worker.name)
         self._inline = metrics.session_inline.labels(worker.name)
+        self._graph_exec = metrics.session_graph_exec.labels(worker.name)
+        # CUDA graphs of lone steps: on GPUs, unless --graph-max-kib is 0
+        graph_bytes = int(settings.graph_max_kib * 1024) if cache.device.type == "cuda" else 0
+        self.graphs = StepGraphs(worker.name, cache, graph_bytes) if graph_bytes else None
 
     def submit(self, work: Work, alone: bool = True) -> asyncio.Future:
         """Queue ``work`` (or run it now, when it comes ``alone`` and may: the module docstring);
@@ -415,7 +425,7 @@ class StepScheduler:
         self.inflight += 1
         handed = time.perf_counter()
         try:
-            answers = self.worker.run_inline(lambda lock: launch_steps(self.cache, [work], lock))
+            answers = self.worker.run_inline(lambda lock: launch_steps(self.cache, [work], lock, self.graphs))
         except Exception as exc:  # noqa: BLE001 - a device error after the launch: its work fails
             answers = exc
         if answers is None:  # the launch lock is held elsewhere: the work queues as usual
@@ -425,6 +435,10 @@ class StepScheduler:
             return False
         self._batch_size.observe(1)
         self._inline.inc()
+        if not isinstance(answers, Exception) and any(p.replayed for p in answers[0][0]):
+            self._graph_exec.inc()
+        if self.graphs is not None and self.graphs.wanted:  # captured after this step, in order with launches
+            self.worker.run_on_device(lambda lock: (self.graphs.capture_wanted(lock), None))
         if isinstance(answers, Exception):
             self._finished([work], lambda exc=answers: _raise(exc), handed)
         else:

@@ -452,3 +452,45 @@ def test_gpu_steps_match_attention_and_are_batch_invariant(tmp_path, dtype):
                     "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", dtype) as s, \
             httpx.Client(base_url=s.url, timeout=120.0) as http:
         _packed_equals_alone(http, dtype, 8, 2, 128, n_s=16)
+
+
+@pytest.mark.gpu
+def test_gpu_lone_steps_replay_graphs_with_the_bits_of_packed_ones(tmp_path):
+    """On a GPU a lone step replays a CUDA graph of its key (service/sessions/graphs.py) once one is
+    captured: twin sessions stepped alone (graphs) and together (one packed launch, no graph) give
+    the same bits, o and lse, for decode rows over keys that cross split and table-width bounds, a
+    3-row step and a q-only step; the counter shows the replays."""
+    hq, hkv, d, tdt = 8, 2, 128, torch.bfloat16
+    with run_server(tmp_path, "--device", "cuda:0", "--grpc-port", "0", "--kv-page-tokens", "16",
+                    "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", "bfloat16") as s, \
+            httpx.Client(base_url=s.url, timeout=120.0) as http:
+        prefill = [200, 700, 2047, 5000]  # 1 split, 2 splits, a full table row of 128 pages, many splits
+        sids = [create(http, hkv=hkv, d=d, dtype="bfloat16")["session"] for _ in prefill]
+        twins = [create(http, hkv=hkv, d=d, dtype="bfloat16")["session"] for _ in prefill]
+        for i, n in enumerate(prefill):
+            q, k, v = (rand(1, h, n, d, seed=10 * i + j).to(tdt) for j, h in enumerate((hq, hkv, hkv)))
+            for sid in (sids[i], twins[i]):
+                step(http, sid, q, k, v)
+        graphs0 = metric(http, "attnserve_session_graph_exec_total")
+        rounds = [1] * 10 + [3, 1, 0]  # 0: a q-only step of one row
+        for r, n in enumerate(rounds):
+            rows = max(n, 1)
+            qs = [rand(rows, hq, d, seed=1000 + 10 * r + i).to(tdt) for i in range(len(sids))]
+            kn = [rand(rows, hkv, d, seed=2000 + 10 * r + i).to(tdt) for i in range(len(sids))]
+            vn = [rand(rows, hkv, d, seed=3000 + 10 * r + i).to(tdt) for i in range(len(sids))]
+            tensors = {"q": torch.cat(qs), "q_lengths": torch.tensor([rows] * len(sids), dtype=torch.int32)}
+            if n:
+                tensors.update(k=torch.cat(kn), v=torch.cat(vn))
+            got = http.post("/sessions/attend", params={"return_lse": "true"}, headers=ST,
+                            content=st.save(tensors, metadata={"sessions": ",".join(sids)}))
+            assert got.status_code == 200, got.text
+            packed = st.load(got.content)
+            for i, twin in enumerate(twins):
+                q4, k4, v4 = (t.transpose(0, 1)[None] for t in (qs[i], kn[i], vn[i]))
+                alone = step(http, twin, q4, *((k4, v4) if n else ()), return_lse=True)
+                a, b = i * rows, (i + 1) * rows
+                assert torch.equal(alone["o"][0].transpose(0, 1), packed["o"][a:b]), (r, i)
+                assert torch.equal(alone["lse"][0], packed["lse"][:, a:b]), (r, i)
+        assert lengths(http, twins[0]) == lengths(http, sids[0])
+        replays = metric(http, "attnserve_session_graph_exec_total") - graphs0
+        assert replays >= 8 * len(twins), replays  # all but the first steps of each key
