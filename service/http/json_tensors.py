@@ -115,11 +115,17 @@ def flat_tensor(data: Any, shape: list[int], dtype: torch.dtype, name: str) -> t
 
 def _list_to_tensor(data: list, name: str, dtype: torch.dtype) -> torch.Tensor:
     """Nested list -> tensor of ``dtype``. Integer tensors take integers only, within ``dtype``'s
-    range (no silent truncation of 1.5 or wrap-around of 2**40 into int32)."""
+    range (no silent truncation of 1.5 or wrap-around of 2**40 into int32); a float past the
+    float dtype's largest finite value is refused, not turned into inf (JSON has no inf)."""
     check_numbers(data, name)  # torch would take true/false as 1/0
     try:
         if dtype.is_floating_point:
-            return torch.tensor(data, dtype=torch.float32).to(dtype)
+            t = torch.tensor(data, dtype=torch.float32).to(dtype)
+            if bool(torch.isinf(t).any()):
+                at = "".join(f"[{i}]" for i in torch.isinf(t).nonzero()[0].tolist())
+                raise BadRequest(f"{name}{at}: a number past the range of {DTYPE_NAMES.get(dtype, dtype)} (largest "
+                                 f"finite {torch.finfo(dtype).max:g}); scale it down or send a wider dtype")
+            return t
         t = torch.tensor(data)  # int64 when every number is an integer
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise BadRequest(f"{name}: not a rectangular list of numbers ({exc})") from None

@@ -828,3 +828,29 @@ def test_session_sizes_and_q_lengths_of_the_wrong_kind_are_refused(http, native,
     assert "q_lengths" in message(assert_refused(r, {400})), r.text
     assert _lengths(http, session) == before
     assert_serving(http, native)
+
+
+def test_json_numbers_past_a_float_dtypes_range_are_refused(http, native):
+    """JSON has no inf, so a number that only fits as inf in the tensor's dtype is a 400 naming
+    where it is (it was computed as inf); the largest finite value is served."""
+    t = qkv()
+    good = {n: t[n].tolist() for n in "kv"}
+    nested = t["q"].tolist()
+    nested[0][1][2][3] = 1e39  # past float32's 3.4e38
+    half = [float(x) for x in t["q"].reshape(-1).tolist()]
+    half[5] = 70000.0  # past float16's 65504
+    half_kv = {n: {"shape": [1, 2, 3, 4], "dtype": "float16", "data": t[n].reshape(-1).tolist()} for n in "kv"}
+    oip = [{"name": n, "shape": [1, 2, 3, 4], "datatype": "FP16",
+            "data": half if n == "q" else t[n].reshape(-1).tolist()} for n in "qkv"]
+    cases = [
+        ("/attention", {"q": nested, **good}, "q[0][1][2][3]"),
+        ("/attention", {"q": {"shape": [1, 2, 3, 4], "dtype": "float16", "data": half}, **half_kv}, "q[5]"),
+        ("/v2/models/attention/infer", {"inputs": oip}, "q"),
+    ]
+    for path, doc, where in cases:
+        body = assert_refused(http.post(path, json=doc), {400})
+        assert where in message(body) and "range of float" in message(body), message(body)
+    half[5] = 65504.0
+    r = http.post("/attention", json={"q": {"shape": [1, 2, 3, 4], "dtype": "float16", "data": half}, **half_kv})
+    assert r.status_code == 200, r.text
+    assert_serving(http, native)
