@@ -437,12 +437,13 @@ class StepScheduler:
         self._inline.inc()
         if not isinstance(answers, Exception) and any(p.replayed for p in answers[0][0]):
             self._graph_exec.inc()
-        if self.graphs is not None and self.graphs.wanted:  # captured after this step, in order with launches
-            self.worker.run_on_device(lambda lock: (self.graphs.capture_wanted(lock), None))
         if isinstance(answers, Exception):
             self._finished([work], lambda exc=answers: _raise(exc), handed)
         else:
             self._finished([work], lambda: answers, handed)
+        if self.graphs is not None and self.graphs.wanted:  # captured after this step, in order with launches
+            with contextlib.suppress(RuntimeError):  # the worker is shutting down: no capture
+                self.worker.run_on_device(lambda lock: (self.graphs.capture_wanted(lock), None))
         return True
 
     def _launch(self, batch: list[Work]) -> None:
