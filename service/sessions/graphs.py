@@ -234,7 +234,3 @@ class StepGraphs:
             self._graphs[key] = graph
             log.debug("worker %s: captured a session step graph (%d rows, table width %d) in %.1f ms",
                       self.name, recipe.rows, recipe.width, 1e3 * (time.perf_counter() - t0))
-
-    def clear(self) -> None:
-        self._graphs.clear()
-        self._wanted.clear()
