@@ -9,7 +9,7 @@
 #
 #   kernels   the kernels' GPU tests (pytest -m gpu, ATTNSERVE_AUTOTUNE=0: numerics, not speed), then
 #             python -m bench.kernels: forward (every provider on the anchor shapes), long N, decode,
-#             backward -> OUTDIR/kernels/: tests.txt, kernels.md, kernels_tflops.png, bench_log.txt,
+#             backward, head dims (heads.md) -> OUTDIR/kernels/: tests.txt, kernels.md, kernels_tflops.png, bench_log.txt,
 #             run.log
 #   service   the engine's, batcher's, layers', processes' and server's GPU tests, then
 #             python -m bench.service engine (batching on/off, large requests, two GPUs, two processes),

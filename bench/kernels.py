@@ -6,7 +6,9 @@
 Measures forward TFLOP/s on the anchor shapes and at long N, decode GB/s, and backward TFLOP/s.
 Section ``masks`` (bench/masks.py; not in the default set; ``--section masks --budget-s 180``): the score modifiers
 (sliding windows, softcap, ALiBi) against unmasked attention, TFLOP/s of the visible score entries
-only, written to ``masks.md``. Section ``paged``: ragged and paged attention (bench/paged.py).
+only, written to ``masks.md``. Section ``paged``: ragged and paged attention (bench/paged.py). Section
+``heads`` (bench/heads.py; ``--section heads``): head dims 64 to 256 and chunked prefill against
+cuDNN, written to ``heads.md``.
 Providers: flash, flash_v1 (ours, Triton) and torch SDPA forced to each backend (flash, cuDNN,
 efficient, math). TFLOP/s counts 4·B·Hq·Nq·Nk·D (half when causal; backward 2.5x the forward,
 forward+backward 3.5x); decode reports GB/s of K and V read once. Times are
@@ -344,8 +346,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="docs/benchmarks")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new shapes after this")
-    ap.add_argument("--sections", default="forward,long,decode,backward",
-                    help="comma-separated subset of forward, long, decode, backward, paged (bench/paged.py: "
+    ap.add_argument("--sections", default="forward,long,decode,backward,heads",
+                    help="comma-separated subset of forward, long, decode, backward, heads (bench/heads.py: "
+                         "every head dim class and chunked prefill against cuDNN: heads.md), paged (bench/paged.py: "
                          "ragged and paged attention), masks (window, softcap and ALiBi against unmasked "
                          "attention, TFLOP/s of the visible work: masks.md)")
     ap.add_argument("--section", help="one section alone (e.g. --section paged): the same as --sections NAME")
@@ -383,7 +386,14 @@ def main() -> None:
 
         masks = bench_masks(log)
         log(write_masks_report(out_dir, masks, meta, time.monotonic() - t0))
-    if sections <= {"paged", "masks"}:
+    if "heads" in sections:
+        log("heads: head dims and chunked prefill against cuDNN")
+        t0 = time.monotonic()
+        from bench.heads import bench_heads, write_heads_report
+
+        heads = bench_heads(log)
+        log(write_heads_report(out_dir, heads, meta, time.monotonic() - t0))
+    if sections <= {"paged", "masks", "heads"}:
         return  # kernels.md holds the other sections: leave it as it is
     log("forward, anchor shapes")
     fwd = bench_forward(rows_of(ANCHORS), FWD_PROVIDERS, log) if "forward" in sections else []

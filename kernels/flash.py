@@ -11,7 +11,7 @@ read in place). ``plan`` (``kernels/plan.py``) decides the shape of the work:
   whole group of query heads of one kv head, so each K/V block is read once per kv head.
 
 Kernels, fastest first (``kernels/jit/``): on a Hopper GPU ``attn_decode`` (Gluon: packed or split
-decode, ``hopper.decode_path``) or ``attn_fwd_ws`` (Gluon: 16-bit prefill at D 128,
+decode, ``hopper.decode_path``) or ``attn_fwd_ws`` (Gluon: 16-bit prefill at D 72 to 256,
 ``hopper.gluon_path``), then ``attn_fwd_tma`` (Triton with TMA: non-causal 16-bit prefill at D 64
 or 128, ``hopper.tma_path``), else ``attn_fwd`` (Triton, every problem). Each predicate says why it
 refuses (``hopper.*_refusal``), and the first launch of a problem class logs the kernel chosen and
@@ -25,13 +25,13 @@ import triton
 
 from .hopper import (
     _16BIT,
-    GLUON_MIN_N,
-    GLUON_MIN_N_CAUSAL,
     _recipe,
     decode_path,
     decode_refusal,
+    gluon_box,
     gluon_path,
     gluon_refusal,
+    gluon_sizes,
     tma_path,
     tma_refusal,
 )
@@ -83,12 +83,12 @@ def flash_forward(
     assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
     dev = q.device
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
-    # the Gluon kernels: decode (packed or split) or, at D 128 in 16 bits, prefill (a cheap
+    # the Gluon kernels: decode (packed or split) or, at its head dims in 16 bits, prefill (a cheap
     # superset of gluon_path's rules here; _recipe checks them all once per problem)
     masked = masks.active
     if tma is not False and gluon and not masked and not interpreting() and (
-            pack > 1 or splits > 1 or (d == 128 and q.dtype in _16BIT and (
-                tma or min(n_q, n_k) >= (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N)))):
+            pack > 1 or splits > 1 or (gluon_box(d) is not None and q.dtype in _16BIT and (
+                tma or gluon_sizes(n_q, n_k, causal)))):
         recipe = _recipe(q, k, v, kv_lengths, causal, num_splits, tma, pack, splits, kps)
         if recipe is not None:
             return recipe(q, k, v, kv_lengths, scale)

@@ -2,7 +2,7 @@
 when the kernel serves it, else why not; ``*_path``: the same rule as a bool), and the Gluon launches.
 
 - ``tma_refusal``: ``attn_fwd_tma`` (Triton, TMA), non-causal 16-bit prefill at D 64 or 128;
-- ``gluon_refusal``: ``attn_fwd_ws`` (Gluon, ``jit/gluon_fwd.py``), 16-bit prefill at D 128;
+- ``gluon_refusal``: ``attn_fwd_ws`` (Gluon, ``jit/gluon_fwd.py``), 16-bit prefill at D 72 to 256;
 - ``decode_refusal``: ``attn_decode`` (Gluon, ``jit/gluon_decode.py``), packed or split 16-bit
   decode at D 64 or 128.
 
@@ -32,7 +32,12 @@ TMA_MIN_N = 2048  # min(Nq, Nk) below which attn_fwd is as fast (see docs/benchm
 # min(Nq, Nk) below which the Triton kernels are as fast as attn_fwd_ws (docs/benchmarks/kernels.md#prefill)
 GLUON_MIN_N = 256
 GLUON_MIN_N_CAUSAL = 2048
-_GLUON_BLOCK_N = 128  # keys per block of attn_fwd_ws (64 is slower: docs/benchmarks/kernels.md#prefill)
+# attn_fwd_ws by its tile's D (the descriptors' box; a head dim below it is padded with zeros):
+# (keys per block, O out through the Q buffers, registers per consumer thread), the fastest of
+# docs/benchmarks/kernels.md#prefill; at D 128, 64 keys a block is slower than 128
+GLUON_TILES: dict[int, tuple[int, bool, int]] = {128: (128, False, 232), 256: (64, True, 240)}
+GLUON_MIN_D = 72  # from D 64 down, attn_fwd_tma (D 64) and attn_fwd are as fast
+_GLUON_BLOCK_N = GLUON_TILES[128][0]
 _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 # attn_decode: keys per block, by D, and blocks in flight per program
 DECODE_BLOCK_N = {64: 128, 128: 64}
@@ -84,25 +89,40 @@ def tma_path(q, k, v, causal: bool, scale: float, pack: int, splits: int, sizes:
     return tma_refusal(q, k, v, causal, scale, pack, splits, sizes) is None
 
 
+def gluon_box(d: int) -> int | None:
+    """The tile D of ``attn_fwd_ws`` for head dim d, or None where it takes no such head dim (a
+    16-byte row of 2-byte elements, at least ``GLUON_MIN_D``, at most the largest tile)."""
+    if d % 8 or d < GLUON_MIN_D:
+        return None
+    return next((box for box in sorted(GLUON_TILES) if d <= box), None)
+
+
+def gluon_sizes(n_q: int, n_k: int, causal: bool) -> bool:
+    """Whether a problem is long enough for ``attn_fwd_ws`` to beat the Triton kernels: both sides
+    at least ``GLUON_MIN_N``; causal, also ``GLUON_MIN_N_CAUSAL`` keys (a short causal square gives
+    each tile little work, where a chunked prefill of 256 rows against 4k keys gives it plenty)."""
+    return min(n_q, n_k) >= GLUON_MIN_N and (not causal or n_k >= GLUON_MIN_N_CAUSAL)
+
+
 def gluon_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pack: int, splits: int,
                   sizes: bool = True) -> str | None:
-    """Why ``attn_fwd_ws`` does not serve this problem, or None when it does: 16-bit prefill at D
-    128 on Hopper, causal or not, strides a host TMA descriptor takes (``_descriptor_ok``); at D 64
-    ``attn_fwd_tma`` is as fast. ``sizes=False`` skips the length thresholds (tests)."""
+    """Why ``attn_fwd_ws`` does not serve this problem, or None when it does: 16-bit prefill on
+    Hopper at a head dim ``gluon_box`` takes, causal or not, strides a host TMA descriptor takes
+    (``_descriptor_ok``). ``sizes=False`` skips the length thresholds (tests)."""
     if pack != 1 or splits != 1:
         return _DECODE_PLAN
     if q.dtype not in _16BIT:
         return _NOT_16BIT
-    if q.shape[-1] != 128:
-        return "head_dim is not 128"
+    if gluon_box(q.shape[-1]) is None:
+        return f"head_dim {q.shape[-1]} is not a multiple of 8 in {GLUON_MIN_D}..{max(GLUON_TILES)}"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (a TMA descriptor has no empty dims)"
     if interpreting():
         return _NO_GLUON
     if not _hopper(q.device):
         return _NOT_SM90
-    if sizes and min(q.shape[2], k.shape[2]) < (GLUON_MIN_N_CAUSAL if causal else GLUON_MIN_N):
-        return "causal and min(Nq, Nk) < GLUON_MIN_N_CAUSAL" if causal else "min(Nq, Nk) < GLUON_MIN_N"
+    if sizes and not gluon_sizes(q.shape[2], k.shape[2], causal):
+        return "causal and Nk < GLUON_MIN_N_CAUSAL or Nq < GLUON_MIN_N" if causal else "min(Nq, Nk) < GLUON_MIN_N"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not _descriptor_ok(t):
             return f"{name}: a descriptor not 16-byte aligned, or a stride TMA cannot say"
@@ -172,9 +192,10 @@ def _decode_check(q, k, v, pack: int, splits: int) -> tuple[tuple | None, str | 
     return descs, None
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A host TMA descriptor over a whole t (B, H, N, D), in boxes of (1, 1, rows, D). A dim of
-    length 1 gets the stride it would have if contiguous (its own may be anything, even 0).
+def _descriptor(t: torch.Tensor, rows: int, box_d: int | None = None) -> TensorDescriptor:
+    """A host TMA descriptor over a whole t (B, H, N, D), in boxes of (1, 1, rows, box_d or D): a
+    box past D reads zeros there and stores nothing. A dim of length 1 gets the stride it would
+    have if contiguous (its own may be anything, even 0).
 
     Built without ``TensorDescriptor.__post_init__``: its checks are ``gluon_path``'s, made once
     per problem, and would cost host time on every launch (tests run them on what this builds)."""
@@ -184,7 +205,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
             strides[i] = strides[i + 1] * t.shape[i + 1]
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides = t, list(t.shape), strides
-    desc.block_shape, desc.layout, desc.padding = [1, 1, rows, t.shape[-1]], _BOX_LAYOUT, "zero"
+    desc.block_shape, desc.layout, desc.padding = [1, 1, rows, box_d or t.shape[-1]], _BOX_LAYOUT, "zero"
     return desc
 
 
@@ -318,9 +339,11 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     hkv, n_k = k.shape[1], k.shape[2]
     rows = kern_gluon.BLOCK_M // 2
     tiles = _cdiv(n_q, kern_gluon.BLOCK_M) * b * hq
+    box = gluon_box(d)
+    block_n, o_in_q, regs = GLUON_TILES[box]
     args = (
-        _descriptor(q, rows), _descriptor(k, _GLUON_BLOCK_N), _descriptor(v, _GLUON_BLOCK_N),
-        _descriptor(o, rows), lse, kv_len, hq, hq // hkv, n_q, n_k, b * hq, scale * kern.LOG2E,
+        _descriptor(q, rows, box), _descriptor(k, block_n, box), _descriptor(v, block_n, box),
+        _descriptor(o, rows, box), lse, kv_len, hq, hq // hkv, n_q, n_k, b * hq, scale * kern.LOG2E,
         causal_heads_per_group(k, b * hq, hq // hkv) if causal else 1,
     )
     # non-causal: persistent, one program an SM (its shared memory allows no second), so a tile's
@@ -328,7 +351,8 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     # length and the hardware's scheduler balances them better than a fixed stride
     # (docs/benchmarks/kernels.md#prefill)
     programs = tiles if causal else min(tiles, _num_sms(q.device))
-    return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=232)
+    return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
+                                   O_IN_Q=o_in_q)
 
 
 class _GluonRecipe:

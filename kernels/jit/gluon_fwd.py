@@ -18,6 +18,12 @@ Causal (bottom-right) tiles load no key block past their last row's diagonal and
 blocks that cross a warpgroup's diagonal. What Triton's own ``warp_specialize`` of ``attn_fwd_tma``
 could not express: that overlap inside a warpgroup, stages released per consumer, and a pipeline
 that runs across tiles; hence it is faster than both at D 128 (see docs/benchmarks/kernels.md#prefill).
+
+Head dims: the tile's D is the descriptors' box (64, 128 or 256); a head dim below it (80, 96,
+192, ...) is read with zeros past its end (TMA fills a box past the tensor with zeros) and its O
+store is clipped there, so the padded columns add zeros to S and write nothing. At a box of 256
+two Q tiles, two O tiles and two K and V stages do not fit in shared memory, so O leaves through
+its warpgroup's Q buffer (``O_IN_Q``): the next tile's Q then loads only once O has left.
 """
 
 from __future__ import annotations
@@ -107,7 +113,7 @@ def _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, BLOCK_M: gl
 @gluon.jit
 def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
               LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale,
-              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr):
+              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr):
     """One warpgroup: its 64 rows of each of the program's tiles against the tile's key blocks."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -132,8 +138,10 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
         m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-        if n_blocks > 0:
+        loads_q = (n_blocks > 0) | O_IN_Q  # O_IN_Q: every tile's O goes out through its Q buffer
+        if loads_q:
             mbarrier.wait(q_bar.index(wg), phase=qc & 1)
+        if n_blocks > 0:
             # block 0: S_0 and its softmax; no P V before it
             st = it % 2
             mbarrier.wait(k_ready.index(st), phase=(it // 2) & 1)
@@ -166,7 +174,8 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
                 acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
                 mbarrier.arrive(v_empty.index(prev))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            mbarrier.arrive(q_empty.index(wg))  # every S of this tile is done: the next tile's Q may come in
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(wg))  # every S of this tile is done: the next tile's Q may come in
             c = it + n_blocks - 1
             last = c % 2
             mbarrier.wait(v_ready.index(last), phase=(c // 2) & 1)
@@ -175,6 +184,7 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
             acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
             mbarrier.arrive(v_empty.index(last))
             it += n_blocks
+        if loads_q:
             qc += 1
         # rows that saw no key (kv_len = 0, or causal rows above the first key) -> o = 0, lse = -inf
         seen = l_i != 0.0
@@ -184,6 +194,9 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         o_tile.store(o.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_o, [b, h, r0, 0], _box(o_tile, desc_o))  # rows past N_Q are clipped
+        if O_IN_Q:
+            tma.store_wait(pendings=0)  # O has left the Q buffer: the next tile's Q may come in
+            mbarrier.arrive(q_empty.index(wg))
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         gl.store(LSE + pid_bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
@@ -200,7 +213,7 @@ def _box(tile, desc):
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
               KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP,
-              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr):
+              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr):
     """One warp, over the program's tiles: both halves of the tile's Q block once each consumer
     is done with the last one, then K_i and V_i into stage i % 2 (i counted over all tiles), each
     once both consumers have released the block two before it."""
@@ -212,7 +225,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         pid_bh, b, h, kvh, row0, kv_len, n_blocks = _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS,
                                                           HEADS_PER_GROUP, 2 * ROWS, BLOCK_N, HAS_KV_LEN, IS_CAUSAL)
-        if n_blocks > 0:
+        if (n_blocks > 0) | O_IN_Q:
             for wg in gl.static_range(2):
                 mbarrier.wait(q_empty.index(wg), phase=(qc - 1) & 1, pred=qc > 0)
                 mbarrier.expect(q_bar.index(wg), desc_q.block_type.nbytes)
@@ -248,6 +261,7 @@ def attn_fwd_ws(
     HAS_KV_LEN: gl.constexpr,
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
+    O_IN_Q: gl.constexpr = False,  # O leaves through the Q buffers (a box of D 256: module docstring)
 ):
     """Prefill; a tile = 128 query rows of one (batch, head). Grid (programs,): program p takes
     tiles p, p + programs, ... in ``_work``'s order; the launcher gives min(tiles, SMs) programs
@@ -262,7 +276,10 @@ def attn_fwd_ws(
     dtype: gl.constexpr = desc_q.block_type.element_ty
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)  # so the next Q may load early
+    if O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, D], row_layout)  # so the next Q may load early
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], row_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], row_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -280,9 +297,12 @@ def attn_fwd_ws(
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (0, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
-                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL)),
+                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL,
+                     O_IN_Q)),
         (_consumer, (1, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
-                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL)),
+                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL,
+                     O_IN_Q)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, HAS_KV_LEN, IS_CAUSAL)),
+                     v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, HAS_KV_LEN, IS_CAUSAL,
+                     O_IN_Q)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -183,14 +183,16 @@ def test_gluon_refusals_say_why(monkeypatch):
     _on_hopper(monkeypatch)
     cases = {
         None: (q, k, v, False, 1, 1),
-        "head_dim is not 128": (q[..., :64], k[..., :64], v[..., :64], False, 1, 1),
+        "head_dim 64 is not a multiple of 8 in 72..256": (q[..., :64], k[..., :64], v[..., :64], False, 1, 1),
         "not float16/bfloat16": (q.float(), k.float(), v.float(), False, 1, 1),
         "a decode plan (GQA rows packed or keys split)": (q, k, v, False, 4, 1),
         "min(Nq, Nk) < GLUON_MIN_N": (q[:, :, :100], k, v, False, 1, 1),
-        "causal and min(Nq, Nk) < GLUON_MIN_N_CAUSAL": (q[:, :, :1000], k, v, True, 1, 1),
+        "causal and Nk < GLUON_MIN_N_CAUSAL or Nq < GLUON_MIN_N": (q[:, :, :1000], k[:, :, :1000], v[:, :, :1000],
+                                                                   True, 1, 1),
         "k: a descriptor not 16-byte aligned, or a stride TMA cannot say": (q, k[:1].expand(2, -1, -1, -1), v,
                                                                            False, 1, 1),
     }
+    assert hopper.gluon_refusal(q[:, :, :256], k, v, True, 1, 1) is None, "a chunked prefill: 256 rows, 4k keys"
     for reason, args in cases.items():
         assert hopper.gluon_refusal(*args) == reason
         assert hopper.gluon_path(*args) == (reason is None)
@@ -264,13 +266,13 @@ def test_flash_logs_its_choice_and_the_refusals_once(choices):
     flash.flash_forward(q1, k, v, causal=False, scale=0.2, num_splits=1)
     assert choices() == [
         "flash kernel for float16 Hq 2 Hkv 2 D 64 prefill causal on cpu: attn_fwd (refused: attn_fwd_ws: "
-        "head_dim is not 128; attn_fwd_tma: causal)",
+        "head_dim 64 is not a multiple of 8 in 72..256; attn_fwd_tma: causal)",
         "flash kernel for float16 Hq 2 Hkv 2 D 64 prefill on cpu: attn_fwd_tma (refused: attn_fwd_ws: "
-        "head_dim is not 128)",
+        "head_dim 64 is not a multiple of 8 in 72..256)",
         "flash kernel for float16 Hq 2 Hkv 2 D 64 prefill on cpu: attn_fwd (refused: attn_fwd_ws: tma=False; "
         "attn_fwd_tma: tma=False)",
         "flash kernel for float16 Hq 2 Hkv 2 D 64 prefill on cpu: attn_fwd (refused: attn_fwd_ws: "
-        "head_dim is not 128; attn_fwd_tma: min(Nq, Nk) < TMA_MIN_N)",
+        "head_dim 64 is not a multiple of 8 in 72..256; attn_fwd_tma: min(Nq, Nk) < TMA_MIN_N)",
     ]
 
 

@@ -180,15 +180,17 @@ from triton.runtime.jit import mangle_type
 from kernels.jit import gluon_fwd as kg
 from kernels import hopper
 
-dtype, has_kv_len, causal = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
+dtype, has_kv_len, causal, d = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
 fn = kg.attn_fwd_ws
-t = torch.empty(1, 1, 128, 128, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
+t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
+box = hopper.gluon_box(d)
+block_n, o_in_q, regs = hopper.GLUON_TILES[box]
 sig = dict.fromkeys(fn.arg_names, "i32")
-for name, rows in dict(desc_q=64, desc_k=hopper._GLUON_BLOCK_N, desc_v=hopper._GLUON_BLOCK_N, desc_o=64).items():
-    sig[name] = mangle_type(hopper._descriptor(t, rows))  # the launcher's own descriptors
+for name, rows in dict(desc_q=64, desc_k=block_n, desc_v=block_n, desc_o=64).items():
+    sig[name] = mangle_type(hopper._descriptor(t, rows, box))  # the launcher's own descriptors
 sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
 consts = {}
-for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=232).items():
+for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=regs, O_IN_Q=o_in_q).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
@@ -199,11 +201,15 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
 """
 
 
-@pytest.mark.parametrize("dtype,has_kv_len,causal", [("fp16", False, False), ("bf16", True, False),
-                                                     ("fp16", True, True), ("bf16", False, True)])
-def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, tmp_path):
-    """Compiled for sm_90 with Triton's own ptxas, no GPU needed."""
-    shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, [dtype, str(int(has_kv_len)), str(int(causal))], tmp_path)
+@pytest.mark.parametrize("dtype,has_kv_len,causal,d", [("fp16", False, False, 128), ("bf16", True, False, 128),
+                                                       ("fp16", True, True, 128), ("bf16", False, True, 128),
+                                                       ("bf16", True, True, 96), ("fp16", False, False, 256),
+                                                       ("bf16", True, True, 192)])
+def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, tmp_path):
+    """Compiled for sm_90 with Triton's own ptxas, no GPU needed, at each tile D (96 pads to 128,
+    192 to 256)."""
+    shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, [dtype, str(int(has_kv_len)), str(int(causal)), str(d)],
+                                        tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
 
@@ -226,8 +232,8 @@ def _compile_for_sm90(script: str, argv: list[str], tmp_path) -> list[str]:
 
 
 def test_gluon_path_rules(monkeypatch):
-    """16-bit, D 128, Hopper, causal or not, min(Nq, Nk) >= GLUON_MIN_N (causal: GLUON_MIN_N_CAUSAL)
-    unless sizes=False, strides a host descriptor takes."""
+    """16-bit, D a multiple of 8 from GLUON_MIN_D to 256, Hopper, causal or not, min(Nq, Nk) >=
+    GLUON_MIN_N (causal: GLUON_MIN_N_CAUSAL) unless sizes=False, strides a host descriptor takes."""
     from kernels import flash
 
     q, k, v = (torch.empty(2, 4, 4096, 128, dtype=torch.float16) for _ in range(3))
@@ -236,13 +242,22 @@ def test_gluon_path_rules(monkeypatch):
     monkeypatch.setattr(launch, "_INTERPRETED", False)
     assert flash.gluon_path(q, k, v, False, 1, 1) and flash.gluon_path(q, k, v, True, 1, 1)
     assert not flash.gluon_path(q[..., :64], k[..., :64], v[..., :64], False, 1, 1), "D = 64: attn_fwd_tma is as fast"
+    assert flash.gluon_path(q[..., :96], k[..., :96], v[..., :96], True, 1, 1), "D = 96: a slice, padded to 128"
+    assert not flash.gluon_path(q[..., :100], k[..., :100], v[..., :100], False, 1, 1), "rows of 200 bytes"
+    wide = torch.empty(1, 2, 4096, 256, dtype=torch.bfloat16)
+    assert flash.gluon_path(wide, wide, wide, False, 1, 1) and flash.gluon_path(wide, wide, wide, True, 1, 1)
+    assert [hopper.gluon_box(d) for d in (64, 72, 80, 128, 136, 192, 256, 264)] == [None, 128, 128, 128, 256,
+                                                                                 256, 256, None]
     assert not flash.gluon_path(q.float(), k.float(), v.float(), False, 1, 1), "fp32"
     assert not flash.gluon_path(q, k, v, False, 1, 2) and not flash.gluon_path(q, k, v, False, 4, 1), "split, packed"
     short = q[:, :, :100]
     assert not flash.gluon_path(short, k, v, True, 1, 1) and flash.gluon_path(short, k, v, True, 1, 1, sizes=False)
-    mid = q[:, :, :flash.GLUON_MIN_N]
-    assert flash.gluon_path(mid, k, v, False, 1, 1) and not flash.gluon_path(mid, k, v, True, 1, 1), "causal: 2048"
-    assert not flash.gluon_path(q[:, :, :flash.GLUON_MIN_N - 1], k, v, False, 1, 1)
+    mid = q[:, :, :hopper.GLUON_MIN_N]
+    assert flash.gluon_path(mid, k, v, False, 1, 1) and flash.gluon_path(mid, k, v, True, 1, 1), "a chunked prefill"
+    square = k[:, :, :hopper.GLUON_MIN_N_CAUSAL - 1]
+    assert flash.gluon_path(square, square, square, False, 1, 1)
+    assert not flash.gluon_path(square, square, square, True, 1, 1), "causal: 2048 keys"
+    assert not flash.gluon_path(q[:, :, :hopper.GLUON_MIN_N - 1], k, v, False, 1, 1)
     bnhd = torch.empty(2, 4096, 4, 128, dtype=torch.float16).transpose(1, 2)
     assert flash.gluon_path(bnhd, bnhd, bnhd, False, 1, 1)
     shared_kv = k[:1].expand(2, -1, -1, -1)  # stride 0 over B: a host descriptor cannot say it
@@ -490,6 +505,15 @@ GLUON_CASES = {
     # more tiles than SMs (non-causal: several a persistent program), tiles with no key among them
     "many_tiles": (3, 16, 4, 1100, 2100, 128, False, [2100, 0, 999]),
     "many_tiles_causal": (3, 16, 4, 2100, 2100, 128, True, [2100, 0, 1500]),
+    # head dims padded to a tile's D with zeros (80, 96 -> 128; 192 -> 256) and D 256, whose O leaves
+    # through the Q buffers: tiles with no key among them keep the Q hand-over in step
+    "d72_long_kv": (1, 2, 1, 129, 8197, 72, False, None),
+    "d80_causal_gqa": (2, 8, 2, 2100, 2100, 80, True, None),
+    "d96_ragged": (2, 16, 4, 1100, 2500, 96, False, [2500, 0]),
+    "d192_causal_nq_gt_nk": (1, 4, 2, 1000, 300, 192, True, None),
+    "d256_one_partial_block": (1, 4, 4, 40, 100, 256, False, None),
+    "d256_many_tiles": (3, 16, 4, 1100, 2100, 256, False, [2100, 0, 999]),
+    "d256_many_tiles_causal": (3, 16, 4, 2100, 2100, 256, True, [2100, 0, 1500]),
 }
 
 
@@ -529,13 +553,14 @@ def test_gpu_gluon_causal_grid_orders(heads_per_group, monkeypatch, poisoned_emp
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(causal, monkeypatch):
+@pytest.mark.parametrize("d", [128, 96, 256])
+def test_gpu_gluon_kernel_reads_bnhd_and_batches_bit_for_bit(causal, d, monkeypatch):
     """flash-attn's (B, N, H, D) layout read in place, through the automatic choice (N >= 2048);
     each batch element's answer is its answer alone, bit for bit."""
     ran = _spy(monkeypatch, "_forward_gluon")
     g = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.randn(3, 2100, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
-    k, v = (torch.randn(3, 2300, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    q = torch.randn(3, 2100, 8, d, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(3, 2300, 2, d, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
             for _ in range(2))
     _batch_equals_each_alone(q, k, v, causal, 0.09, torch.tensor([2300, 2048, 7], device="cuda", dtype=torch.int32))
     assert ran == [3, 1, 1, 1]

@@ -1,0 +1,118 @@
+"""bench.kernels' heads section (``python -m bench.kernels --section heads``): the forward at every
+head dim class and in chunked prefill (few query rows against many keys, causal bottom-right),
+``flash`` (auto) against ``flash`` without the Gluon kernel (``gluon=False``: ``attn_fwd_tma`` or
+``attn_fwd``) and SDPA's cuDNN and FlashAttention-2 backends, written to ``heads.md``.
+
+TFLOP/s count 4·D·B·Hq per visible (query, key) pair, counted exactly (``bench.masks.visible_pairs``),
+so a chunked prefill's causal rows count the ~97% of keys they see, not half."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from bench.kernels import inputs, kernels_compiled_since, n_sets, out_of_time, timed
+from bench.masks import visible_pairs
+from bench.report import md_table
+from kernels import launch as launch_cache
+from kernels.flash import flash_forward
+
+# (dtype, B, Hq, Hkv, Nq, Nk, D, causal), in the order run (the budget cuts the last ones)
+HEAD_SHAPES = [
+    ("bfloat16", 1, 16, 16, 4096, 4096, 256, True), ("bfloat16", 1, 16, 16, 4096, 4096, 256, False),
+    ("bfloat16", 4, 16, 16, 2048, 2048, 96, False), ("bfloat16", 4, 16, 16, 4096, 4096, 96, True),
+    ("float16", 2, 24, 24, 3000, 3000, 80, True), ("bfloat16", 4, 16, 16, 4096, 4096, 80, False),
+    ("bfloat16", 2, 16, 16, 4096, 4096, 192, False), ("bfloat16", 2, 16, 16, 4096, 4096, 192, True),
+    ("bfloat16", 8, 32, 8, 256, 4096, 128, True), ("bfloat16", 4, 32, 8, 1024, 8192, 128, True),
+    ("bfloat16", 4, 32, 32, 4096, 4096, 64, False), ("bfloat16", 4, 32, 32, 4096, 4096, 64, True),
+]
+PROVIDERS = ("flash", "flash_triton", "sdpa_cudnn", "sdpa_flash")
+BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
+
+
+def _fn(provider: str, n_q: int, n_k: int):
+    """provider(q, k, v, causal) -> o; SDPA's causal is top-left, so Nq != Nk passes its lower-right bias."""
+    if provider in ("flash", "flash_triton"):
+        gluon = provider == "flash"
+        return lambda q, k, v, c: flash_forward(q, k, v, causal=c, scale=q.shape[-1] ** -0.5, gluon=gluon)[0]
+
+    def sdpa(q, k, v, c):
+        group = q.shape[1] // k.shape[1]
+        bias = causal_lower_right(n_q, n_k) if c and n_q != n_k else None
+        with sdpa_kernel(BACKENDS[provider]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=c and bias is None,
+                                                  enable_gqa=group > 1)
+    return sdpa
+
+
+def bench_heads(log, shapes=HEAD_SHAPES, rep=60) -> list[dict]:
+    results = []
+    for dt, b, hq, hkv, n_q, n_k, d, causal in shapes:
+        row = {"dtype": dt, "shape": f"{b}x{hq}/{hkv}x{n_q}x{n_k}", "D": d, "causal": causal}
+        if out_of_time():
+            row["skipped"] = "time"
+            results.append(row)
+            continue
+        dtype = getattr(torch, dt)
+        nbytes = (b * hq * n_q + 2 * b * hkv * n_k) * d * dtype.itemsize
+        sets = inputs(b, hq, hkv, n_q, n_k, d, dtype, sets=n_sets(nbytes))
+        flops = 4.0 * d * b * hq * visible_pairs(n_q, n_k, causal)
+        outs = {}
+        for p in PROVIDERS:
+            try:
+                before = set(launch_cache._compiled)
+                ms, _, out = timed(_fn(p, n_q, n_k), sets, causal, rep=rep)
+                if p.startswith("flash"):
+                    row[p + "_kernel"] = kernels_compiled_since(before) or "(recipe)"
+                row[p] = round(flops / ms / 1e9)
+                outs[p] = out
+            except Exception as exc:  # noqa: BLE001 - a provider that cannot run says why
+                row[p] = "err"
+                log(f"  heads {p} {row['shape']}x{d} causal={causal}: {type(exc).__name__}: {str(exc)[:160]}")
+            torch.cuda.empty_cache()
+        ref = outs.get("sdpa_flash", outs.get("sdpa_cudnn"))
+        if ref is not None and "flash" in outs:
+            row["err"] = (outs["flash"].float() - ref.float()).abs().max().item()
+        log("  heads " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        results.append(row)
+        del sets, outs, ref
+        torch.cuda.empty_cache()
+    return results
+
+
+HEAD_HEADERS = ["dtype", "B x Hq/Hkv x Nq x Nk", "D", "causal", "flash", "flash_triton", "sdpa_cudnn", "sdpa_flash",
+                "flash / cuDNN", "flash / flash_triton", "err", "kernel (flash)"]
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if isinstance(a, int) and isinstance(b, int) and b else "-"
+
+
+def head_table_rows(rows) -> list[list]:
+    out = []
+    for r in rows:
+        if "skipped" in r:
+            out.append([r["dtype"], r["shape"], r["D"], r["causal"], "skipped (time)", *[""] * 7])
+            continue
+        out.append([r["dtype"], r["shape"], r["D"], r["causal"], *(r.get(p, "-") for p in PROVIDERS),
+                    _ratio(r.get("flash"), r.get("sdpa_cudnn")), _ratio(r.get("flash"), r.get("flash_triton")),
+                    f"{r['err']:.1e}" if "err" in r else "-", r.get("flash_kernel", "-")])
+    return out
+
+
+def write_heads_report(out_dir: Path, rows, meta, seconds: float) -> str:
+    text = "\n".join([
+        f"# Head dims and chunked prefill — {meta['date']}", "",
+        f"Card: {meta['card']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}.",
+        f"Command: `{meta['command']}`.", "",
+        "Forward TFLOP/s, random normal inputs, do_bench medians; 4·D·B·Hq per visible (query, key) "
+        "pair (causal is bottom-right, counted exactly). `flash_triton` is `flash_forward(gluon=False)`. "
+        "`err` = max |flash − SDPA| (FA2 where it runs, else cuDNN).", "",
+        md_table(HEAD_HEADERS, head_table_rows(rows)), "",
+        f"Section time: {seconds:.0f} s.", ""])
+    (out_dir / "heads.md").write_text(text)
+    return text
