@@ -116,3 +116,55 @@ def write_heads_report(out_dir: Path, rows, meta, seconds: float) -> str:
         f"Section time: {seconds:.0f} s.", ""])
     (out_dir / "heads.md").write_text(text)
     return text
+
+
+# attn_fwd_ws's tile alternatives by tile D (``hopper.GLUON_TILES`` values: keys a block, O through the
+# Q buffers, consumer registers), for ``python -m bench.heads --tiles``
+TILE_CHOICES = {128: [(128, False, 232), (64, False, 232)],
+                256: [(64, True, 240), (64, True, 232), (32, False, 240), (32, True, 240)]}
+TILE_SHAPES = [("bfloat16", 1, 16, 16, 4096, 4096, 256, True), ("bfloat16", 1, 16, 16, 4096, 4096, 256, False),
+               ("bfloat16", 2, 16, 16, 4096, 4096, 192, True), ("bfloat16", 4, 16, 16, 2048, 2048, 96, False)]
+
+
+def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
+    """Each of ``TILE_CHOICES`` in turn for the shapes' tile D, TFLOP/s as ``bench_heads``'."""
+    from kernels import hopper
+
+    results = []
+    kept = dict(hopper.GLUON_TILES)
+    try:
+        for dt, b, hq, hkv, n_q, n_k, d, causal in shapes:
+            dtype = getattr(torch, dt)
+            sets = inputs(b, hq, hkv, n_q, n_k, d, dtype, sets=2)
+            flops = 4.0 * d * b * hq * visible_pairs(n_q, n_k, causal)
+            box = hopper.gluon_box(d)
+            row = {"shape": f"{dt} {b}x{hq}/{hkv}x{n_q}x{n_k}x{d}" + (" causal" if causal else "")}
+            for tile in TILE_CHOICES[box]:
+                hopper.GLUON_TILES[box] = tile
+                hopper._recipes.clear()
+                ms, _, _ = timed(_fn("flash", n_q, n_k), sets, causal, rep=rep)
+                row["{}/{}/r{}".format(tile[0], "O in Q" if tile[1] else "O apart", tile[2])] = round(flops / ms / 1e9)
+            log("  tiles " + ", ".join(f"{k}={v}" for k, v in row.items()))
+            results.append(row)
+            del sets
+            torch.cuda.empty_cache()
+    finally:
+        hopper.GLUON_TILES.clear()
+        hopper.GLUON_TILES.update(kept)
+        hopper._recipes.clear()
+    return results
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="attn_fwd_ws's tile choices side by side (--tiles)")
+    ap.add_argument("--tiles", action="store_true", required=True)
+    ap.parse_args()
+    rows = sweep_tiles(print)
+    for r in rows:
+        print(md_table(list(r), [list(r.values())]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,21 +1,23 @@
-"""CUDA graphs of lone session steps: a step of one session that runs inline (``--session-inline-rows``)
-replays a captured append + paged attention instead of launching them from Python.
+"""CUDA graphs of lone session steps: a step that runs inline (``--session-inline-rows``), of one
+session or a packed step of many, replays a captured append + paged attention instead of launching
+them from Python.
 
 A graph is captured per ``StepGraphs.key``: what the kernels see (heads, geometry, causal, scale,
-window, cap), the step's rows and whether it appends, its block table's width rounded up to a
-power of two, the shape of its plan (``kernels.ragged.PlanLayout``: how many work items of each
-class, how many partial rows) and the arena's tensors. The values that change from step to step
-(the lengths, the table row, q, k, v, the plan's work items) are inputs: each replay copies them
-into the graph's static buffer in one host-to-device copy. A decode step of a growing session
-keeps its key for many steps: its split count stops changing past a few thousand keys, its table
-width doubles rarely.
+window, cap), the step's sessions and rows and whether it appends, its block table's width rounded
+up to a power of two, the shape of its plan (``kernels.ragged.PlanLayout``: how many work items of
+each class, how many partial rows) and the arena's tensors. The values that change from step to
+step (the lengths, the table rows, q, k, v, the plan's work items) are inputs: each replay copies
+them into the graph's static buffer in one host-to-device copy, laid out as ``packing`` lays out a
+launch's. A decode step of growing sessions keeps its key for many steps: a session's split count
+stops changing past a few thousand keys, its table width doubles rarely; the layers of one
+decode step share theirs.
 
 A replay runs the kernels that ``kernels.append_paged`` and ``kernels.attention_paged`` launch
 for this step, over the same plan (``kernels.ragged.plan_layout`` of its own lengths), so its
-answer is bit for bit the usual one, and the same as the session's answer in any packed launch
-(batch invariance). The first step of a key takes the usual path and asks for a capture, which
-the worker's launcher thread makes after it, in order with its launches. Steps with ALiBi slopes,
-of several sessions, or over ``--graph-max-kib`` take the usual path.
+answer is bit for bit the usual one, and each session's the same as in any other launch (batch
+invariance). The first step of a key takes the usual path and asks for a capture, which the
+worker's launcher thread makes after it, in order with its launches. Steps with ALiBi slopes, or
+over ``--graph-max-kib``, take the usual path.
 """
 
 from __future__ import annotations
@@ -34,15 +36,13 @@ import kernels
 from kernels.masks import check_masks
 from kernels.ragged import Plan, PlanLayout, launch_plan, plan_layout
 from kernels.ragged_checks import check_scale
-from service.core.staging import carve, copy_parts, host_copy
+from service.core.staging import carve, host_copy
 from service.sessions.cache import KVCache
+from service.sessions.packing import pack
 
 log = logging.getLogger("attnserve.sessions")
 
 GRAPHS_PER_WORKER = 64  # captured step keys kept per worker (they share one memory pool)
-INDEX_FIELDS = 6  # cu_q (2), cu_new (2), length before, length after; then the table row
-
-
 def table_width(pages: int) -> int:
     """The block table's width in a graph: a power of two >= 8, so that a growing session keeps its
     graph while its page count doubles (entries past its pages are never read)."""
@@ -50,10 +50,11 @@ def table_width(pages: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(n: int, after: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device,
-            causal: bool) -> PlanLayout:
-    """The plan of one sequence of n rows over ``after`` keys, as ``attention_paged`` plans it."""
-    return plan_layout([n], [after], None, hq, hkv, d, dtype, device, causal, False)
+def _layout(q_lens: tuple[int, ...], k_lens: tuple[int, ...], hq: int, hkv: int, d: int, dtype: torch.dtype,
+            device: torch.device, causal: bool) -> PlanLayout:
+    """The plan of sequences of q_lens rows over k_lens keys, as ``attention_paged`` plans them (the
+    layers of a decode step, and the steps of one session, repeat their lengths)."""
+    return plan_layout(q_lens, k_lens, None, hq, hkv, d, dtype, device, causal, False)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Recipe:
 
     geometry: Any  # service.sessions.cache.Geometry
     heads_q: int
+    seqs: int
     rows: int
     appends: bool
     width: int
@@ -75,7 +77,7 @@ class Recipe:
 def _shapes(r: Recipe) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """index int32, q, (k, v,) plan int32: the graph's inputs, in its static buffer's order."""
     g, n = r.geometry, r.rows
-    shapes = [(torch.int32, (INDEX_FIELDS + r.width,)), (g.dtype, (n, r.heads_q, g.head_dim))]
+    shapes = [(torch.int32, (4 * r.seqs + 2 + r.seqs * r.width,)), (g.dtype, (n, r.heads_q, g.head_dim))]
     if r.appends:
         shapes += [(g.dtype, (n, g.num_kv_heads, g.head_dim))] * 2
     shapes.append((torch.int32, (max(1, len(r.layout.flat)),)))
@@ -91,12 +93,14 @@ class StepGraph:
         self.host_in, self.host = carve(shapes, pin=True)
         self.index = self.host[0].numpy()
         self.plan = self.host[-1].numpy()
+        self.width = recipe.width
         self.dev_in, dev = carve(shapes, buffer=torch.empty_like(self.host_in, device=device))
-        index, q = dev[0], dev[1]  # index: cu_q (read through the plan), cu_new, before, after, table
-        cu_new, before = index[2:4], index[4:5]
-        table = index[INDEX_FIELDS:].view(1, recipe.width)
+        index, q = dev[0], dev[1]  # packing's index: cu_q (read through the plan), cu_new, before, after, table
+        n_seq = recipe.seqs
+        cu_new, before = index[n_seq + 1 : 2 * n_seq + 2], index[2 * n_seq + 2 : 3 * n_seq + 2]
+        table = index[4 * n_seq + 2 :].view(n_seq, recipe.width)
         plan = Plan.over(dev[-1], recipe.layout)
-        masks = check_masks(recipe.window, recipe.softcap, None, rows=1, heads_q=recipe.heads_q, device=device,
+        masks = check_masks(recipe.window, recipe.softcap, None, rows=n_seq, heads_q=recipe.heads_q, device=device,
                             causal=recipe.causal, rows_name="S")
         self.graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.stream(stream), lock:
@@ -113,22 +117,14 @@ class StepGraph:
         self.done = torch.cuda.Event()
         self.appends = recipe.appends
 
-    def run(self, step: Any, rows: tuple[int, int], before: int, after: int, pages: Any,
-            flat: Any) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-        """Event loop, on the worker's compute stream, the device idle: (o (n, Hq, D), lse (Hq, n))
-        as new CPU tensors, and when the inputs were staged and the work enqueued."""
-        a, b = rows
-        n = b - a
-        idx = self.index
-        idx[0], idx[1], idx[2], idx[3], idx[4], idx[5] = 0, n, 0, n if self.appends else 0, before, after
-        k = len(pages)
-        idx[INDEX_FIELDS : INDEX_FIELDS + k] = pages
-        idx[INDEX_FIELDS + k :] = 0
+    def run(self, work: Any, flat: Any) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """Event loop, on the worker's compute stream, the device idle: ``work``'s (o (T, Hq, D),
+        lse (Hq, T)) as new CPU tensors, and when the inputs were staged and the work enqueued;
+        ``flat`` its plan's values."""
+        packed = pack([work])
+        packed.fill_index(self.index, self.width)
         self.plan[: len(flat)] = flat
-        copy_parts(self.host[1], [step.q[a:b]])
-        if self.appends:
-            copy_parts(self.host[2], [step.k[a:b]])
-            copy_parts(self.host[3], [step.v[a:b]])
+        packed.fill_rows(self.host[1], *(self.host[2:4] if self.appends else (None, None)))
         staged = time.perf_counter()
         self.dev_in.copy_(self.host_in, non_blocking=True)
         self.graph.replay()
@@ -155,11 +151,9 @@ class StepGraphs:
     def wanted(self) -> bool:
         return bool(self._wanted)
 
-    def _plan(self, work: Any) -> tuple[tuple, Recipe, tuple] | None:
-        """(key, recipe, (rows, before, after, pages, flat)) of a lone work a graph may run, else None."""
-        if len(work.seqs) != 1:
-            return None
-        step, seq = work.step, work.seqs[0]
+    def _plan(self, work: Any) -> tuple[tuple, Recipe, Any] | None:
+        """(key, recipe, the plan's values) of a lone work a graph may run, else None."""
+        step = work.step
         masks = step.masks
         if masks.alibi is not None:
             return None
@@ -167,21 +161,22 @@ class StepGraphs:
         if arena is None or arena.k is None:
             return None
         g = work.geometry
-        a, b = seq.rows
-        n = b - a
+        n = work.tokens
         appends = step.k is not None
         if (n * step.heads_q + (2 * n * g.num_kv_heads if appends else 0)) * g.head_dim * g.dtype.itemsize \
                 > self.max_bytes:
             return None
-        after, pages = seq.kv.length, seq.kv.pages
+        seqs = work.seqs
+        q_lens = tuple(s.rows[1] - s.rows[0] for s in seqs)
+        k_lens = tuple(s.kv.length for s in seqs)
         causal = step.causal
-        layout = _layout(n, after, step.heads_q, g.num_kv_heads, g.head_dim, g.dtype, self.cache.device, causal)
-        width = table_width(len(pages))
-        key = (work.key, n, appends, width, layout.shapes, layout.part_rows, arena.k.data_ptr(),
+        layout = _layout(q_lens, k_lens, step.heads_q, g.num_kv_heads, g.head_dim, g.dtype, self.cache.device, causal)
+        width = table_width(max(len(s.kv.pages) for s in seqs))
+        key = (work.key, len(seqs), n, appends, width, layout.shapes, layout.part_rows, arena.k.data_ptr(),
                arena.v.data_ptr(), arena.size)
-        recipe = Recipe(g, step.heads_q, n, appends, width, layout, causal, check_scale(step.scale, g.head_dim),
-                        (masks.left, masks.right), masks.softcap)
-        return key, recipe, (seq.rows, work.before[0], after, pages, layout.flat)
+        recipe = Recipe(g, step.heads_q, len(seqs), n, appends, width, layout, causal,
+                        check_scale(step.scale, g.head_dim), (masks.left, masks.right), masks.softcap)
+        return key, recipe, layout.flat
 
     def replay(self, work: Any) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
         """Event loop, inline: (o, lse, staged, enqueued) of ``work`` (its pages reserved) from its
@@ -189,7 +184,7 @@ class StepGraphs:
         planned = self._plan(work)
         if planned is None:
             return None
-        key, recipe, values = planned
+        key, recipe, flat = planned
         graph = self._graphs.get(key)
         if graph is None:
             if key not in self._refused:
@@ -197,7 +192,7 @@ class StepGraphs:
             return None
         with contextlib.suppress(KeyError):  # (a capture may have dropped it meanwhile)
             self._graphs.move_to_end(key)
-        return graph.run(work.step, *values)
+        return graph.run(work, flat)
 
     def drop(self, work: Any) -> None:
         """A replay of ``work``'s key failed: that key takes the usual path from now on."""

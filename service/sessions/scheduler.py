@@ -40,10 +40,11 @@ import torch
 
 import kernels
 from service.core.batcher import ALONE_GAP_S
-from service.core.staging import carve, copy_parts
+from service.core.staging import carve
 from service.errors import DeadlineExceeded, NotFound, ServiceError, Unavailable, from_kernel_error
 from service.sessions.cache import Geometry, KVCache, Reservation, SequenceKV
 from service.sessions.graphs import StepGraphs
+from service.sessions.packing import cat, pack
 from service.sessions.step import SessionStep
 
 log = logging.getLogger("attnserve.sessions")
@@ -197,58 +198,30 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
     device, cuda = cache.device, cache.device.type == "cuda"
     first = works[0].step
     arena = cache.arena(works[0].geometry)
-    q_parts, k_parts, v_parts, slopes = [], [], [], []
-    cu_q, cu_new, before, after, tables = [0], [0], [], [], []
     masks = first.masks  # equal across the launch but for the slopes (part of its key)
-    for w in works:
-        new = w.step.k is not None
-        for s, c in zip(w.seqs, w.before, strict=True):
-            if masks.alibi is not None:
-                slopes.append(w.step.alibi_row(s.index))  # (1, Hq)
-            n = s.rows[1] - s.rows[0]
-            cu_q.append(cu_q[-1] + n)
-            cu_new.append(cu_new[-1] + (n if new else 0))
-            before.append(c)
-            after.append(s.kv.length)
-            tables.append(s.kv.pages)
-        for a, b in _runs([s.rows for s in w.seqs]):  # a work's rows are one run of the step's, mostly
-            q_parts.append(w.step.q[a:b])  # (n, Hq, D)
-            if new:
-                k_parts.append(w.step.k[a:b])
-                v_parts.append(w.step.v[a:b])
-    n_seq = len(tables)
-    width = max(1, max(len(t) for t in tables))
-    # every index in one int32 vector: cu_q (S+1), cu_new (S+1), before (S), after (S), table (S, width)
-    flat = cu_q + cu_new + before + after
-    t_q, t_new = cu_q[-1], cu_new[-1]
+    packed = pack(works)
+    n_seq, width = packed.n_seq, packed.width
+    t_q, t_new = packed.rows, packed.flat[2 * n_seq + 1]
     hq, d, hkv = first.heads_q, first.head_dim, works[0].geometry.num_kv_heads
     dtype = first.q.dtype
-    shapes = [(torch.int32, (len(flat) + n_seq * width,)), (dtype, (t_q, hq, d))]
-    if k_parts:
+    shapes = [(torch.int32, (packed.index_len(width),)), (dtype, (t_q, hq, d))]
+    if packed.k_parts:
         shapes += [(dtype, (t_new, hkv, d)), (dtype, (t_new, hkv, d))]
-    if slopes:
+    if packed.slopes:
         shapes.append((torch.float32, (n_seq, hq)))
     # on a GPU: one pinned buffer and one host->device copy for all of them (each copy costs host time)
     host_buf, host_t = carve(shapes, pin=cuda)
     host = host_t[0]
-    view = host.numpy()
-    view[: len(flat)] = flat
-    rows = view[len(flat):].reshape(n_seq, width)
-    rows[:] = 0
-    for i, t in enumerate(tables):  # each table row is an int32 array: one copy, no conversion
-        rows[i, : len(t)] = t
-    _cat(q_parts, host_t[1])
-    if k_parts:
-        _cat(k_parts, host_t[2])
-        _cat(v_parts, host_t[3])
-    if slopes:
-        _cat(slopes, host_t[-1])
+    packed.fill_index(host.numpy(), width)
+    packed.fill_rows(host_t[1], *(host_t[2:4] if packed.k_parts else (None, None)))
+    if packed.slopes:
+        cat(packed.slopes, host_t[-1])
     dev_t = host_t
     if cuda:
         dev_t = carve(shapes, buffer=host_buf.to(device, non_blocking=True))[1]
     index, q = dev_t[0], dev_t[1]
-    k, v = (dev_t[2], dev_t[3]) if k_parts else (None, None)
-    alibi = dev_t[-1] if slopes else None
+    k, v = (dev_t[2], dev_t[3]) if packed.k_parts else (None, None)
+    alibi = dev_t[-1] if packed.slopes else None
     s1 = n_seq + 1
     d_cu_q, d_cu_new = index[:s1], index[s1 : 2 * s1]
     d_before, d_after = index[2 * s1 : 2 * s1 + n_seq], index[2 * s1 + n_seq : 2 * s1 + 2 * n_seq]
@@ -273,24 +246,6 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
         o, lse = o_host, lse_host
     parts.append(_Launched(works, o, lse, staged, time.perf_counter()))
     return done
-
-
-def _runs(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(first, end) row ranges, adjacent ones joined: [(0, 2), (2, 3), (5, 6)] -> [(0, 3), (5, 6)]."""
-    out: list[tuple[int, int]] = []
-    for a, b in rows:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _cat(parts: list[torch.Tensor], out: torch.Tensor) -> None:
-    if len(parts) == 1 or all(p.is_contiguous() for p in parts):
-        copy_parts(out, parts)
-    else:
-        torch.cat(parts, out=out)
 
 
 # ---------------------------------------------------------------- the scheduler (event loop)

@@ -457,9 +457,9 @@ def test_gpu_steps_match_attention_and_are_batch_invariant(tmp_path, dtype):
 @pytest.mark.gpu
 def test_gpu_lone_steps_replay_graphs_with_the_bits_of_packed_ones(tmp_path):
     """On a GPU a lone step replays a CUDA graph of its key (service/sessions/graphs.py) once one is
-    captured: twin sessions stepped alone (graphs) and together (one packed launch, no graph) give
-    the same bits, o and lse, for decode rows over keys that cross split and table-width bounds, a
-    3-row step and a q-only step; the counter shows the replays."""
+    captured: twin sessions stepped alone (graphs) and together (a packed step, by its own graphs
+    after its keys' first launches) give the same bits, o and lse, for decode rows over keys that
+    cross split and table-width bounds, a 3-row step and a q-only step; the counter shows the replays."""
     hq, hkv, d, tdt = 8, 2, 128, torch.bfloat16
     with run_server(tmp_path, "--device", "cuda:0", "--grpc-port", "0", "--kv-page-tokens", "16",
                     "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", "bfloat16") as s, \
@@ -494,3 +494,47 @@ def test_gpu_lone_steps_replay_graphs_with_the_bits_of_packed_ones(tmp_path):
         assert lengths(http, twins[0]) == lengths(http, sids[0])
         replays = metric(http, "attnserve_session_graph_exec_total") - graphs0
         assert replays >= 8 * len(twins), replays  # all but the first steps of each key
+
+
+@pytest.mark.gpu
+def test_gpu_packed_steps_replay_graphs_with_the_bits_of_launches(tmp_path):
+    """A packed step of many sessions replays its key's CUDA graph too: the same sessions and steps
+    on a server with graphs and on one without (--graph-max-kib 0) give the same bits, o and lse,
+    round after round: decode rows across split and table-width bounds, rows spread unevenly over
+    the sessions (one key, other lengths), a 3-row round and a q-only round."""
+    hq, hkv, d, tdt = 8, 2, 128, torch.bfloat16
+    common = ("--device", "cuda:0", "--grpc-port", "0", "--kv-page-tokens", "16", "--kv-cache-mb", "512",
+              "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", "bfloat16")
+    prefill = [200, 700, 2047, 5000, 1, 33]
+    for name in ("graphs", "none"):
+        (tmp_path / name).mkdir()
+    with run_server(tmp_path / "graphs", *common) as on, \
+            run_server(tmp_path / "none", *common, "--graph-max-kib", "0") as off, \
+            httpx.Client(base_url=on.url, timeout=120.0) as h_on, \
+            httpx.Client(base_url=off.url, timeout=120.0) as h_off:
+        servers = [(h, [create(h, hkv=hkv, d=d, dtype="bfloat16")["session"] for _ in prefill]) for h in (h_on, h_off)]
+        for i, n in enumerate(prefill):
+            q, k, v = (rand(1, h, n, d, seed=10 * i + j).to(tdt) for j, h in enumerate((hq, hkv, hkv)))
+            for h, sids in servers:
+                step(h, sids[i], q, k, v)
+        graphs0 = metric(h_on, "attnserve_session_graph_exec_total")
+        n_s = len(prefill)
+        rounds = [[1] * n_s] * 8 + [[2, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 2], [3] * n_s, [1] * n_s, "q-only"]
+        for r, rows in enumerate(rounds):
+            appends = rows != "q-only"
+            rows = rows if appends else [1] * n_s
+            t = sum(rows)
+            tensors = {"q": rand(t, hq, d, seed=1000 + r).to(tdt), "q_lengths": torch.tensor(rows, dtype=torch.int32)}
+            if appends:
+                tensors.update(k=rand(t, hkv, d, seed=2000 + r).to(tdt), v=rand(t, hkv, d, seed=3000 + r).to(tdt))
+            got = []
+            for h, sids in servers:
+                res = h.post("/sessions/attend", params={"return_lse": "true"}, headers=ST,
+                             content=st.save(tensors, metadata={"sessions": ",".join(sids)}))
+                assert res.status_code == 200, res.text
+                got.append(st.load(res.content))
+            assert torch.equal(got[0]["o"], got[1]["o"]) and torch.equal(got[0]["lse"], got[1]["lse"]), r
+        assert [lengths(h, sids[3]) for h, sids in servers] == [[5000 + 8 + 1 + 1 + 3 + 1]] * 2
+        replays = metric(h_on, "attnserve_session_graph_exec_total") - graphs0
+        assert replays >= 6, replays  # the decode rounds after the first, the uneven and 1-row rounds
+        assert metric(h_off, "attnserve_session_graph_exec_total") == 0
