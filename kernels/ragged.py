@@ -142,6 +142,27 @@ def sequence_plan(n_q: int, n_k: int, hq: int, hkv: int, block_ms: tuple[int, in
     return cls, tiles, _cdiv(n_k, kps), kps
 
 
+def sequence_plans(n_q: np.ndarray, n_k: np.ndarray, hq: int, hkv: int, block_ms: tuple[int, int, int],
+                   sms: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``sequence_plan`` of every sequence at once, as int64 arrays (class, row tiles, splits, keys
+    per split); a sequence of no query rows gets (1, 0, 1, 0), as ``plan_layout`` gives it."""
+    group = hq // hkv
+    decode = n_q * group <= PACK_ROWS
+    cls = np.where(decode, 0, np.where(n_k >= 2 * n_q, 2, 1))
+    tiles = -(-np.where(decode, n_q * group, n_q) // np.asarray(block_ms, dtype=np.int64)[cls])
+    programs = np.maximum(tiles * np.where(decode, hkv, hq), 1)
+    can = (decode | (n_q <= 64)) & (programs < sms) & (n_k >= 2 * SPLIT_KEY_QUANTUM)
+    want = np.minimum(np.minimum(-(-(SPLIT_WAVES * sms) // programs), n_k // SPLIT_KEY_QUANTUM), MAX_SPLITS)
+    splits = np.where(can, want, 1)
+    per_split = -(-n_k // splits)
+    kps = -(-per_split // SPLIT_KEY_QUANTUM) * SPLIT_KEY_QUANTUM
+    split = splits > 1
+    kps = np.where(split, kps, n_k)
+    splits = np.where(split, -(-n_k // np.maximum(kps, 1)), 1)
+    empty = n_q <= 0
+    return (np.where(empty, 1, cls), np.where(empty, 0, tiles), np.where(empty, 1, splits), np.where(empty, 0, kps))
+
+
 @dataclass
 class Plan:
     """One call's work, packed into one int32 device buffer (one host-to-device copy)."""
@@ -183,6 +204,7 @@ class PlanLayout:
 
 
 SMALL_PLAN_ITEMS = 256  # up to this many work items a plan is listed in plain Python (numpy's per-call cost dominates)
+SMALL_PLAN_SEQS = 16  # past this many sequences their plans are worked out with numpy, all at once
 
 
 def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,
@@ -199,12 +221,22 @@ def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence
     sms = num_sms(device)
     nq_l = [int(x) for x in q_lens]
     nk_l = [int(x) for x in k_lens]
-    plans = [sequence_plan(a, b, hq, hkv, block_ms, sms) if a > 0 else (1, 0, 1, 0)
-             for a, b in zip(nq_l, nk_l, strict=True)]
-    if sum(p[1] * p[2] for p in plans) <= SMALL_PLAN_ITEMS:
+    if len(nq_l) != len(nk_l):
+        raise ValueError(f"{len(nq_l)} query lengths but {len(nk_l)} key lengths")
+    if len(nq_l) > SMALL_PLAN_SEQS:
+        arrays = sequence_plans(np.asarray(nq_l, dtype=np.int64), np.asarray(nk_l, dtype=np.int64), hq, hkv,
+                                block_ms, sms)
+        small = int((arrays[1] * arrays[2]).sum()) <= SMALL_PLAN_ITEMS
+        plans = list(zip(*(a.tolist() for a in arrays), strict=True)) if small else None
+    else:
+        plans = [sequence_plan(a, b, hq, hkv, block_ms, sms) if a > 0 else (1, 0, 1, 0)
+                 for a, b in zip(nq_l, nk_l, strict=True)]
+        small = sum(p[1] * p[2] for p in plans) <= SMALL_PLAN_ITEMS
+        arrays = None if small else tuple(np.asarray(plans, dtype=np.int64).reshape(-1, 4).T)
+    if small:
         flat, shapes, part_rows = _list_plan(nq_l, nk_l, k_starts, plans, block_ms, causal)
     else:
-        flat, shapes, part_rows = _numpy_plan(nq_l, nk_l, k_starts, plans, block_ms, causal)
+        flat, shapes, part_rows = _numpy_plan(nq_l, nk_l, k_starts, arrays, block_ms, causal)
     return PlanLayout(flat, tuple(tuple(int(x) for x in sh) for sh in shapes), part_rows, cfgs)
 
 
@@ -261,18 +293,16 @@ def _list_plan(nq: list[int], nk: list[int], k_starts: Sequence[int] | None, pla
     return flat, shapes, part_rows
 
 
-def _numpy_plan(nq_l: list[int], nk_l: list[int], k_starts: Sequence[int] | None, plans: list[tuple[int, ...]],
+def _numpy_plan(nq_l: list[int], nk_l: list[int], k_starts: Sequence[int] | None, plans: tuple[np.ndarray, ...],
                 block_ms: tuple[int, ...], causal: bool) -> tuple[np.ndarray, list[tuple[int, int]], int]:
-    """``_list_plan``'s buffer, built with numpy over every item at once."""
+    """``_list_plan``'s buffer, built with numpy over every item at once; ``plans`` the sequences'
+    (class, tiles, splits, keys per split) as arrays."""
     n_seq = len(nq_l)
     nq = np.asarray(nq_l, dtype=np.int64).reshape(-1)
     nk = np.asarray(nk_l, dtype=np.int64).reshape(-1)
     q0 = np.concatenate([[0], np.cumsum(nq)[:-1]]) if n_seq else np.zeros(0, np.int64)
     ks = np.zeros(n_seq, np.int64) if k_starts is None else np.asarray(k_starts, dtype=np.int64).reshape(-1)
-    cls = np.asarray([p[0] for p in plans], dtype=np.int64).reshape(-1)
-    tiles = np.asarray([p[1] for p in plans], dtype=np.int64).reshape(-1)
-    splits = np.asarray([p[2] for p in plans], dtype=np.int64).reshape(-1)
-    kps = np.asarray([p[3] for p in plans], dtype=np.int64).reshape(-1)
+    cls, tiles, splits, kps = plans
     # partial rows: a split sequence takes splits x n_q rows, in sequence order
     part = np.where(splits > 1, splits * nq, 0)
     base = np.concatenate([[0], np.cumsum(part)[:-1]]) if n_seq else np.zeros(0, np.int64)

@@ -61,12 +61,14 @@ def cases():
 
 
 @pytest.mark.parametrize("small", [0, 256, 10**9], ids=["numpy", "default", "lists"])
+@pytest.mark.parametrize("seqs", [0, 16], ids=["numpy_plans", "default_plans"])
 @pytest.mark.parametrize("sms", [16, 132])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(32, 8), (4, 4), (8, 1)])
-def test_build_plan_equals_the_loop(monkeypatch, small, sms, causal, heads):
+def test_build_plan_equals_the_loop(monkeypatch, small, seqs, sms, causal, heads):
     monkeypatch.setattr(ragged, "num_sms", lambda device: sms)
     monkeypatch.setattr(ragged, "SMALL_PLAN_ITEMS", small)  # 0: always numpy; 10**9: always lists
+    monkeypatch.setattr(ragged, "SMALL_PLAN_SEQS", seqs)  # 0: every sequence's plan by sequence_plans
     hq, hkv = heads
     for q_lens, k_lens, starts in cases():
         plan = ragged.build_plan(q_lens, k_lens, starts, hq, hkv, 128, torch.bfloat16, torch.device("cpu"),
@@ -77,3 +79,20 @@ def test_build_plan_equals_the_loop(monkeypatch, small, sms, causal, heads):
                                 ("chunk", plan.chunk, chunk), ("merge", plan.merge, merge)):
             assert np.array_equal(got.numpy(), want), (name, q_lens, k_lens)
         assert plan.part_rows == part_rows
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (4, 4), (8, 1), (64, 2)])
+@pytest.mark.parametrize("sms", [16, 132])
+def test_sequence_plans_is_sequence_plan_at_once(heads, sms):
+    """Every (n_q, n_k) of a grid around the class, split and quantum bounds: numpy's plan of all
+    of them at once is each one's own."""
+    hq, hkv = heads
+    block_ms = (16, 128, 64)
+    qs = [0, 1, 2, 3, 7, 8, 9, 16, 17, 63, 64, 65, 127, 128, 129, 300]
+    ks = [0, 1, 255, 256, 511, 512, 513, 767, 768, 4095, 4096, 4352, 4353, 16385, 70000]
+    grid = [(q, q + k) for q in qs for k in ks]
+    got = ragged.sequence_plans(np.asarray([g[0] for g in grid]), np.asarray([g[1] for g in grid]), hq, hkv,
+                                block_ms, sms)
+    for i, (n_q, n_k) in enumerate(grid):
+        want = ragged.sequence_plan(n_q, n_k, hq, hkv, block_ms, sms) if n_q else (1, 0, 1, 0)
+        assert tuple(int(a[i]) for a in got) == want, (n_q, n_k)
