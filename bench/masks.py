@@ -1,6 +1,6 @@
 """bench.kernels' masks section (``python -m bench.kernels --section masks``): sliding windows,
 softcap, ALiBi and window + softcap through ``kernels.attention`` against the unmasked forward
-(auto, the generic ``attn_fwd`` every masked call runs, SDPA's cuDNN backend), TFLOP/s counted over
+(auto, the generic ``attn_fwd`` that ALiBi calls run, SDPA's cuDNN backend), TFLOP/s counted over
 the visible score entries only, written to ``masks.md``."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def alibi_slopes(n: int) -> list[float]:
 def bench_masks(log, shapes=None, windows=MASK_WINDOWS, rep=60):
     """Score modifiers against unmasked attention, per shape: the unmasked causal and non-causal
     forward through ``kernels.attention`` ("auto": the Hopper kernels), through the generic Triton
-    kernel ``attn_fwd`` that every modified call runs (``flash_forward(tma=False)``) and through
+    kernel ``attn_fwd`` that ALiBi calls run (``flash_forward(tma=False)``) and through
     SDPA's cuDNN backend; then each row of ``mask_rows`` through ``kernels.attention``. TFLOP/s count
     4·D·B·Hq per visible (i, j) pair (``visible_pairs``)."""
     results = []
@@ -200,7 +200,8 @@ def write_masks_report(out_dir: Path, rows, meta, seconds: float) -> str:
         "(`visible %` of Nq·Nk: causal and the window counted exactly), so a row that skips work "
         "well keeps the unmasked rate. `modifier` none: `ms`/`TFLOP/s` are `kernels.attention` "
         "(auto: the Hopper kernels), `attn_fwd` is `flash_forward(tma=False)`, the generic Triton "
-        "kernel every modified call runs. Modified rows run `kernels.attention(window_size=..., "
+        "kernel ALiBi calls run (windows and softcap run the Gluon prefill where it takes the shape). "
+        "Modified rows run `kernels.attention(window_size=..., "
         f"softcap={MASK_SOFTCAP}, alibi_slopes=geometric)`; a window of w keys is (w − 1, 0) with "
         "causal, (w/2, w/2) without. `vs attn_fwd` / `vs auto`: the row's TFLOP/s over the unmasked "
         "attn_fwd / auto TFLOP/s of the same shape and causal flag (issue 31's target: ≥ 0.90 vs "

@@ -37,6 +37,7 @@ from service.wire.tensors import ServerTiming
 HAS_CUDA = torch.cuda.is_available()
 HQ, HKV, D = (32, 8, 128) if HAS_CUDA else (8, 2, 64)
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+PREFILL_BYTES = 256 << 20  # the most q, k and v one prefill step of the decode loop sends
 CHUNK = 2048  # prefill chunk: keeps each request well under the body limit
 
 
@@ -158,10 +159,16 @@ def loop_row(client: httpx.Client, grpc_client: GrpcAttentionClient, sessions: i
                                            "dtype": str(DTYPE).removeprefix("torch.")})
         r.raise_for_status()
         ids.append(r.json()["session"])
-    q, k, v = _rand(sessions * context, HQ, D, seed=4), _rand(sessions * context, HKV, D, seed=5), \
-        _rand(sessions * context, HKV, D, seed=6)
-    for layer in range(layers):  # every layer prefilled with ``context`` tokens, one packed step each
-        grpc_client.packed_step(ids, q, k, v, [context] * sessions, layer=layer)
+    # every layer prefilled with ``context`` tokens, a packed step of as many sessions as fit in
+    # PREFILL_BYTES (a protobuf message holds less than 2 GiB)
+    per = max(1, min(sessions, PREFILL_BYTES // (context * (HQ + 2 * HKV) * D * DTYPE.itemsize)))
+    q, k, v = _rand(per * context, HQ, D, seed=4), _rand(per * context, HKV, D, seed=5), \
+        _rand(per * context, HKV, D, seed=6)
+    for layer in range(layers):
+        for i in range(0, sessions, per):
+            group = ids[i:i + per]
+            rows = len(group) * context
+            grpc_client.packed_step(group, q[:rows], k[:rows], v[:rows], [context] * len(group), layer=layer)
     q1, k1, v1 = _rand(sessions, HQ, D, seed=7), _rand(sessions, HKV, D, seed=8), _rand(sessions, HKV, D, seed=9)
     answered: queue.Queue = queue.Queue()
 

@@ -83,15 +83,17 @@ def flash_forward(
     assert q.dtype == k.dtype == v.dtype and k.shape == v.shape and hq % hkv == 0 and d <= 256
     dev = q.device
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
-    # the Gluon kernels: decode (packed or split) or, at its head dims in 16 bits, prefill (a cheap
-    # superset of gluon_path's rules here; _recipe checks them all once per problem)
+    # the Gluon kernels: decode (packed or split, unmasked) or, at its head dims in 16 bits, prefill
+    # (windows and softcap included; a cheap superset of gluon_path's rules here; _recipe checks
+    # them all once per problem)
     masked = masks.active
-    if tma is not False and gluon and not masked and not interpreting() and (
-            pack > 1 or splits > 1 or (gluon_box(d) is not None and q.dtype in _16BIT and (
-                tma or gluon_sizes(n_q, n_k, causal)))):
-        recipe = _recipe(q, k, v, kv_lengths, causal, num_splits, tma, pack, splits, kps)
+    split = pack > 1 or splits > 1
+    if tma is not False and gluon and not interpreting() and (
+            (split and not masked) or (not split and masks.alibi is None and gluon_box(d) is not None
+                                       and q.dtype in _16BIT and (tma or gluon_sizes(n_q, n_k, causal)))):
+        recipe = _recipe(q, k, v, kv_lengths, causal, num_splits, tma, pack, splits, kps, masks)
         if recipe is not None:
-            return recipe(q, k, v, kv_lengths, scale)
+            return recipe(q, k, v, kv_lengths, scale, masks)
     o = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
@@ -117,7 +119,7 @@ def flash_forward(
         raise ValueError(f"tma=True: this problem does not fit the TMA kernel: {why}")
     if _forward_triton(q, k, v, out, kv_len, kv_lengths is not None, scale, causal, pack, splits, kps, masks):
         tell(q, k, causal, kv_lengths is not None, pack, splits, "attn_fwd",
-             lambda: _why_not(q, k, v, causal, scale, pack, splits, tma, gluon, "attn_fwd", masked))
+             lambda: _why_not(q, k, v, causal, scale, pack, splits, tma, gluon, "attn_fwd", masks))
     if splits > 1:
         combine(o_part, lse_part, o, lse)
     return o, lse
@@ -181,21 +183,18 @@ def _forward_tma(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float) -> boo
 
 
 def _why_not(q, k, v, causal: bool, scale: float, pack: int, splits: int, tma: bool | None, gluon: bool,
-             kernel: str, masked: bool = False) -> dict[str, str]:
+             kernel: str, masks: Masks = NO_MASKS) -> dict[str, str]:
     """Why each kernel faster than ``kernel`` (one of the Triton two) refused this problem, in
     ``flash_forward``'s order; for ``plan.tell``'s log line."""
     sizes = tma is None
     refused = {}
-    if masked:
-        return {name: NO_MASKS_HERE for name in (("attn_decode",) if pack > 1 or splits > 1
-                                                  else ("attn_fwd_ws", "attn_fwd_tma"))}
     gluon_off = "tma=False" if tma is False else None if gluon else "gluon=False"
     if pack > 1 or splits > 1:
-        refused["attn_decode"] = gluon_off or decode_refusal(q, k, v, pack, splits)
+        refused["attn_decode"] = NO_MASKS_HERE if masks.active else gluon_off or decode_refusal(q, k, v, pack, splits)
     else:
-        refused["attn_fwd_ws"] = gluon_off or gluon_refusal(q, k, v, causal, pack, splits, sizes)
+        refused["attn_fwd_ws"] = gluon_off or gluon_refusal(q, k, v, causal, pack, splits, sizes, masks)
         if kernel == "attn_fwd":
-            refused["attn_fwd_tma"] = ("tma=False" if tma is False
+            refused["attn_fwd_tma"] = ("tma=False" if tma is False else NO_MASKS_HERE if masks.active
                                        else tma_refusal(q, k, v, causal, scale, pack, splits, sizes))
     return refused
 

@@ -25,6 +25,7 @@ from .jit import flash_fwd as kern
 from .jit import gluon_decode as kern_decode
 from .jit import gluon_fwd as kern_gluon
 from .launch import _COMPILED_MAX, _compiled_plain, _run, clear_on_switch, direct_launch, interpreting, launch_plain
+from .masks import NO_MASKS, Masks
 from .plan import _cdiv, _combine_launch, _num_sms, kv_length_arg, tell
 
 _16BIT = (torch.float16, torch.bfloat16)
@@ -105,12 +106,15 @@ def gluon_sizes(n_q: int, n_k: int, causal: bool) -> bool:
 
 
 def gluon_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pack: int, splits: int,
-                  sizes: bool = True) -> str | None:
+                  sizes: bool = True, masks: Masks = NO_MASKS) -> str | None:
     """Why ``attn_fwd_ws`` does not serve this problem, or None when it does: 16-bit prefill on
     Hopper at a head dim ``gluon_box`` takes, causal or not, strides a host TMA descriptor takes
-    (``_descriptor_ok``). ``sizes=False`` skips the length thresholds (tests)."""
+    (``_descriptor_ok``); a sliding window and softcap, not ALiBi slopes. ``sizes=False`` skips the
+    length thresholds (tests)."""
     if pack != 1 or splits != 1:
         return _DECODE_PLAN
+    if masks.alibi is not None:
+        return "alibi_slopes (this kernel takes window_size and softcap only)"
     if q.dtype not in _16BIT:
         return _NOT_16BIT
     if gluon_box(q.shape[-1]) is None:
@@ -129,9 +133,9 @@ def gluon_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return None
 
 
-def gluon_path(q, k, v, causal: bool, pack: int, splits: int, sizes: bool = True) -> bool:
+def gluon_path(q, k, v, causal: bool, pack: int, splits: int, sizes: bool = True, masks: Masks = NO_MASKS) -> bool:
     """Whether ``attn_fwd_ws`` serves this problem (``gluon_refusal`` is None)."""
-    return gluon_refusal(q, k, v, causal, pack, splits, sizes) is None
+    return gluon_refusal(q, k, v, causal, pack, splits, sizes, masks) is None
 
 
 def _descriptor_ok(t: torch.Tensor) -> bool:
@@ -301,7 +305,7 @@ class _DecodeRecipe:
                                                           num_warps=4, launch_pdl=True)
             self.merge_static = args[4:]
 
-    def __call__(self, q, k, v, kv_lengths, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q, k, v, kv_lengths, scale: float, masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse, out, o_part, lse_part = _outputs(self.o_shape, self.lse_shape, self.part_shapes, self.dtype,
                                                  self.device)
         kv_len = kv_length_arg(kv_lengths, self.n_k, self.device)
@@ -320,7 +324,7 @@ def _forward_decode(q, descs, out, kv_len, scale: float, recipe: _DecodeRecipe) 
 
 
 def _decode_plain(causal: bool, pack: int, splits: int, kps: int, q, k, v, kv_lengths,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
     """``_DecodeRecipe``'s launches through ``launch_plain``, worked out anew (direct launches off)."""
     o, lse, out, o_part, lse_part = _outputs(q.shape, q.shape[:3], _part_shapes(q, splits), q.dtype, q.device)
     kv_len = kv_length_arg(kv_lengths, k.shape[2], q.device)
@@ -333,8 +337,9 @@ def _decode_plain(causal: bool, pack: int, splits: int, kps: int, q, k, v, kv_le
     return o, lse
 
 
-def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool) -> tuple[tuple, tuple, dict]:
-    """(grid, args, constexprs) of attn_fwd_ws writing o and lse."""
+def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool,
+                  masks: Masks = NO_MASKS) -> tuple[tuple, tuple, dict]:
+    """(grid, args, constexprs) of attn_fwd_ws writing o and lse, with ``masks``' window and cap."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     rows = kern_gluon.BLOCK_M // 2
@@ -344,7 +349,7 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     args = (
         _descriptor(q, rows, box), _descriptor(k, block_n, box), _descriptor(v, block_n, box),
         _descriptor(o, rows, box), lse, kv_len, hq, hq // hkv, n_q, n_k, b * hq, scale * kern.LOG2E,
-        causal_heads_per_group(k, b * hq, hq // hkv) if causal else 1,
+        causal_heads_per_group(k, b * hq, hq // hkv) if causal else 1, *masks.kernel_args(),
     )
     # non-causal: persistent, one program an SM (its shared memory allows no second), so a tile's
     # Q load and O store overlap its neighbours' work. Causal: a program a tile, as tiles differ in
@@ -352,7 +357,7 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     # (docs/benchmarks/kernels.md#prefill)
     programs = tiles if causal else min(tiles, _num_sms(q.device))
     return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
-                                   O_IN_Q=o_in_q)
+                                   O_IN_Q=o_in_q, WINDOW=masks.window, SOFTCAP=masks.softcap > 0)
 
 
 class _GluonRecipe:
@@ -361,13 +366,13 @@ class _GluonRecipe:
 
     __slots__ = ("device", "dtype", "o_shape", "lse_shape", "n_k", "descs", "launch", "static", "heads", "tail")
 
-    def __init__(self, q, k, v, kv_lengths, causal: bool):
+    def __init__(self, q, k, v, kv_lengths, causal: bool, masks: Masks = NO_MASKS):
         b, hq, n_q, d = q.shape
         self.device, self.dtype, self.n_k = q.device, q.dtype, k.shape[2]
         self.o_shape, self.lse_shape = (b, hq, n_q, d), (b, hq, n_q)
         o, lse = self._outputs()
         kv_len = kv_length_arg(kv_lengths, self.n_k, self.device)
-        grid, args, consts = _gluon_launch(q, k, v, o, lse, kv_len, kv_lengths is not None, 1.0, causal)
+        grid, args, consts = _gluon_launch(q, k, v, o, lse, kv_len, kv_lengths is not None, 1.0, causal, masks)
         compiled, self.tail = _compiled_plain(kern_gluon.attn_fwd_ws, grid, args, consts, num_warps=4)
         self.launch = (compiled, grid)
         self.descs = tuple(_rebased(desc, None) for desc in args[:4])  # templates: no tensor kept
@@ -377,26 +382,28 @@ class _GluonRecipe:
         return (torch.empty(self.o_shape, dtype=self.dtype, device=self.device),
                 torch.empty(self.lse_shape, dtype=torch.float32, device=self.device))
 
-    def __call__(self, q, k, v, kv_lengths, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q, k, v, kv_lengths, scale: float, masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = self._outputs()
         kv_len = kv_length_arg(kv_lengths, self.n_k, self.device)
         dq, dk, dv, do = self.descs
         descs = (_rebased(dq, q), _rebased(dk, k), _rebased(dv, v), _rebased(do, o))
-        _forward_gluon(q, descs, lse, kv_len, scale, self)
+        _forward_gluon(q, descs, lse, kv_len, scale, self, masks)
         return o, lse
 
 
-def _forward_gluon(q, descs, lse, kv_len, scale: float, recipe: _GluonRecipe) -> None:
-    """attn_fwd_ws as ``recipe`` (and ``_gluon_launch``) says."""
+def _forward_gluon(q, descs, lse, kv_len, scale: float, recipe: _GluonRecipe, masks: Masks = NO_MASKS) -> None:
+    """attn_fwd_ws as ``recipe`` (and ``_gluon_launch``) says; the window and cap are the call's."""
     compiled, grid = recipe.launch
-    _run(compiled, grid, (*descs, lse, kv_len, *recipe.static, scale * kern.LOG2E, recipe.heads, *recipe.tail))
+    _run(compiled, grid, (*descs, lse, kv_len, *recipe.static, scale * kern.LOG2E, recipe.heads,
+                          *masks.kernel_args(), *recipe.tail))
 
 
-def _gluon_plain(causal: bool, q, k, v, kv_lengths, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _gluon_plain(causal: bool, q, k, v, kv_lengths, scale: float,
+                 masks: Masks = NO_MASKS) -> tuple[torch.Tensor, torch.Tensor]:
     """``_GluonRecipe``'s launch through ``launch_plain``, worked out anew (direct launches off)."""
     o, lse, *_ = _outputs(q.shape, q.shape[:3], None, q.dtype, q.device)
     kv_len = kv_length_arg(kv_lengths, k.shape[2], q.device)
-    grid, args, consts = _gluon_launch(q, k, v, o, lse, kv_len, kv_lengths is not None, scale, causal)
+    grid, args, consts = _gluon_launch(q, k, v, o, lse, kv_len, kv_lengths is not None, scale, causal, masks)
     launch_plain(kern_gluon.attn_fwd_ws, grid, args, consts, num_warps=4)
     return o, lse
 
@@ -407,26 +414,30 @@ clear_on_switch(_recipes)
 
 
 def _recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, tma: bool | None, pack: int,
-            splits: int, kps: int):
-    """``(q, k, v, kv_lengths, scale) -> (o, lse)`` for a problem a Gluon kernel serves
-    (``decode_path``, or ``gluon_path`` for what ``plan`` neither packs nor splits), built on its
-    first call; None where neither does. Keyed on what decides every launch argument but the data:
-    shapes, strides, dtype, device, flags, and the 16-byte alignments Triton and TMA depend on."""
+            splits: int, kps: int, masks: Masks = NO_MASKS):
+    """``(q, k, v, kv_lengths, scale, masks) -> (o, lse)`` for a problem a Gluon kernel serves
+    (``decode_path`` unmasked, or ``gluon_path`` for what ``plan`` neither packs nor splits), built
+    on its first call; None where neither does. Keyed on what decides every launch argument but the
+    data: shapes, strides, dtype, device, flags, and the 16-byte alignments Triton and TMA depend
+    on; of the masks, which are on and how Triton specialises the window's integers (1, multiples of
+    16), since the call passes their values."""
+    left, right, _ = masks.kernel_args()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
-           kv_lengths is None, num_splits, tma, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+           kv_lengths is None, num_splits, tma, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+           masks.window, masks.softcap > 0, masks.alibi is None, left == 1, left % 16, right == 1, right % 16)
     try:
         return _recipes[key]
     except KeyError:
         pass
     recipe, kernel, direct = None, None, direct_launch()
     if pack > 1 or splits > 1:
-        if decode_path(q, k, v, pack, splits):
+        if not masks.active and decode_path(q, k, v, pack, splits):
             kernel = "attn_decode"
             recipe = (_DecodeRecipe(q, k, v, kv_lengths, causal, pack, splits, kps) if direct
                       else functools.partial(_decode_plain, causal, pack, splits, kps))
-    elif gluon_path(q, k, v, causal, pack, splits, sizes=tma is None):
+    elif gluon_path(q, k, v, causal, pack, splits, sizes=tma is None, masks=masks):
         kernel = "attn_fwd_ws"
-        recipe = _GluonRecipe(q, k, v, kv_lengths, causal) if direct else functools.partial(_gluon_plain, causal)
+        recipe = _GluonRecipe(q, k, v, kv_lengths, causal, masks) if direct else functools.partial(_gluon_plain, causal)
     if kernel is not None:  # else flash_forward's Triton launch says what it chose
         tell(q, k, causal, kv_lengths is not None, pack, splits, kernel, dict)
     if len(_recipes) >= _COMPILED_MAX:

@@ -42,43 +42,62 @@ BLOCK_M = 128  # query rows per tile: attn_fwd_ws's two consumer warpgroups of 6
 
 
 @gluon.jit
-def _scores(s, qk_scale, start, kv_len, diag, IS_CAUSAL: gl.constexpr):
-    """S = Q Kᵀ of the block of keys [start, start + BLOCK_N) in log2 units, masked to -inf where
-    a key is >= kv_len (a ragged last block, or kv_lengths) or, causal, past its row's diagonal:
-    row r of the warpgroup sees keys <= diag + r. Only the blocks that need it pay for a mask."""
+def _tanh(x):
+    """tanh in float32 by the special-function unit's one instruction (``tanh.approx.f32``, at most
+    ~5e-4 off), as flash-attn's softcap computes it: written from exp2 and a division it takes
+    three of that unit's slots a score, where the softmax's exp2 already keeps it half busy at D 128
+    (docs/benchmarks/kernels.md#score-modifiers)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _scores(s, qk_scale, start, kv_len, diag, win_left, win_right, cap, IS_CAUSAL: gl.constexpr,
+            WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+    """S = Q Kᵀ of the block of keys [start, start + BLOCK_N) in log2 units, capped first (SOFTCAP:
+    cap · tanh(S / cap), cap in log2 units too, flash-attn's order), then masked to -inf where a
+    key is >= kv_len (a ragged last block, or kv_lengths), causal, past its row's diagonal, or
+    outside its row's window: row r of the warpgroup is at diag + r and sees keys
+    diag + r - win_left ..= diag + r + win_right. Only the blocks that need it pay for a mask."""
     ROWS: gl.constexpr = s.shape[0]
     BLOCK_N: gl.constexpr = s.shape[1]
     s_layout: gl.constexpr = s.type.layout
     s = s * qk_scale
+    if SOFTCAP:
+        s = cap * _tanh(s * (1.0 / cap))
     last = start + BLOCK_N - 1
+    masked = last >= kv_len
     if IS_CAUSAL:
-        masked = (last >= kv_len) | (last > diag)
-    else:
-        masked = last >= kv_len
+        masked = masked | (last > diag)
+    if WINDOW:
+        masked = masked | (last > diag + win_right) | (start < diag + ROWS - 1 - win_left)
     if masked:
         cols = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
         keep = cols < kv_len
-        if IS_CAUSAL:
-            rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)), 1)
-            keep = keep & (cols <= rows + diag)
+        if IS_CAUSAL or WINDOW:
+            rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)), 1) + diag
+            if IS_CAUSAL:
+                keep = keep & (cols <= rows)
+            if WINDOW:
+                keep = keep & (cols >= rows - win_left) & (cols <= rows + win_right)
         s = gl.where(keep, s, float("-inf"))
     return s
 
 
 @gluon.jit
-def _finite(m, IS_CAUSAL: gl.constexpr):
-    """The row max to subtract: 0 for a causal row that has seen no key yet (-inf - -inf is NaN).
-    Without causal masking every row sees key 0 (kv_len 0 runs no block)."""
-    if IS_CAUSAL:
+def _finite(m, EMPTY_ROWS: gl.constexpr):
+    """The row max to subtract: 0 for a row that has seen no key yet (-inf - -inf is NaN), which
+    only causal and windowed rows can be; any other row sees key 0 (kv_len 0 runs no block)."""
+    if EMPTY_ROWS:
         return gl.where(m == float("-inf"), 0.0, m)
     else:
         return m
 
 
 @gluon.jit
-def _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Tile t of the schedule -> (batch·head, b, h, kv head, first row, kv_len, key blocks).
+def _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """Tile t of the schedule -> (batch·head, b, h, kv head, first row, kv_len, first key block, key blocks).
 
     Non-causal: the row blocks of one head side by side, so the programs working together share its
     K/V in L2. Causal: heads in groups of HEADS_PER_GROUP (flash.causal_heads_per_group), and within
@@ -101,19 +120,25 @@ def _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, BLOCK_M: gl
     else:
         kv_len = N_K
     row0 = pid_m * BLOCK_M
+    # keys past the diagonal of the block's last row (causal), or past its window, are never
+    # loaded, nor (window) blocks wholly left of its first row's window
+    last_row = gl.minimum(row0 + BLOCK_M, N_Q) - 1 + N_K - N_Q
+    hi = kv_len
     if IS_CAUSAL:
-        # keys past the diagonal of the block's last row (or N_Q's) are never loaded
-        hi = gl.minimum(kv_len, gl.minimum(row0 + BLOCK_M, N_Q) + N_K - N_Q)
-        n_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-    else:
-        n_blocks = gl.cdiv(kv_len, BLOCK_N)
-    return pid_bh, b, h, h // GROUP, row0, kv_len, n_blocks
+        hi = gl.minimum(hi, last_row + 1)
+    first = 0
+    if WINDOW:
+        hi = gl.minimum(hi, last_row + win_right + 1)
+        first = gl.maximum(row0 + N_K - N_Q - win_left, 0) // BLOCK_N
+    n_blocks = gl.maximum(gl.cdiv(gl.maximum(hi, 0), BLOCK_N) - first, 0)
+    return pid_bh, b, h, h // GROUP, row0, kv_len, first, n_blocks
 
 
 @gluon.jit
 def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
-              LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale,
-              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr):
+              LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
+              cap, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr, WINDOW: gl.constexpr,
+              SOFTCAP: gl.constexpr):
     """One warpgroup: its 64 rows of each of the program's tiles against the tile's key blocks."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -131,8 +156,9 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
     it = 0  # key blocks consumed so far: block it sits in stage it % 2, in that stage's (it // 2)-th fill
     qc = 0  # Q tiles consumed so far
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        pid_bh, b, h, kvh, row0, kv_len, n_blocks = _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS,
-                                                          HEADS_PER_GROUP, 2 * ROWS, BLOCK_N, HAS_KV_LEN, IS_CAUSAL)
+        pid_bh, b, h, kvh, row0, kv_len, first, n_blocks = _work(
+            t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right, 2 * ROWS, BLOCK_N,
+            HAS_KV_LEN, IS_CAUSAL, WINDOW)
         r0 = row0 + wg * ROWS
         diag = r0 + N_K - N_Q  # the last key this warpgroup's first row may see (causal)
         acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
@@ -147,10 +173,11 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
             mbarrier.wait(k_ready.index(st), phase=(it // 2) & 1)
             s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
-            s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, 0, kv_len, diag, IS_CAUSAL)
+            s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, first * BLOCK_N, kv_len, diag,
+                        win_left, win_right, cap, IS_CAUSAL, WINDOW, SOFTCAP)
             mbarrier.arrive(k_empty.index(st))
             m_i = gl.max(s, axis=1)
-            p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL), 1))
+            p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL or WINDOW), 1))
             l_i = gl.sum(p, axis=1)
             for j in range(1, n_blocks):
                 c = it + j
@@ -163,10 +190,11 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
-                s = _scores(s, qk_scale, j * BLOCK_N, kv_len, diag, IS_CAUSAL)
+                s = _scores(s, qk_scale, (first + j) * BLOCK_N, kv_len, diag, win_left, win_right, cap,
+                            IS_CAUSAL, WINDOW, SOFTCAP)
                 mbarrier.arrive(k_empty.index(stage))
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                m_use = _finite(m_new, IS_CAUSAL)
+                m_use = _finite(m_new, IS_CAUSAL or WINDOW)
                 alpha = gl.exp2(m_i - m_use)
                 p = gl.exp2(s - gl.expand_dims(m_use, 1))
                 l_i = l_i * alpha + gl.sum(p, axis=1)
@@ -212,8 +240,8 @@ def _box(tile, desc):
 
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-              KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP,
-              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr):
+              KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right,
+              HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr, WINDOW: gl.constexpr):
     """One warp, over the program's tiles: both halves of the tile's Q block once each consumer
     is done with the last one, then K_i and V_i into stage i % 2 (i counted over all tiles), each
     once both consumers have released the block two before it."""
@@ -223,8 +251,9 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_
     it = 0
     qc = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        pid_bh, b, h, kvh, row0, kv_len, n_blocks = _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS,
-                                                          HEADS_PER_GROUP, 2 * ROWS, BLOCK_N, HAS_KV_LEN, IS_CAUSAL)
+        pid_bh, b, h, kvh, row0, kv_len, first, n_blocks = _work(
+            t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right, 2 * ROWS, BLOCK_N,
+            HAS_KV_LEN, IS_CAUSAL, WINDOW)
         if (n_blocks > 0) | O_IN_Q:
             for wg in gl.static_range(2):
                 mbarrier.wait(q_empty.index(wg), phase=(qc - 1) & 1, pred=qc > 0)
@@ -238,11 +267,11 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_
             reuse = c >= 2
             mbarrier.wait(k_empty.index(stage), phase=((c // 2) - 1) & 1, pred=reuse)
             mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [b, kvh, i * BLOCK_N, 0], k_ready.index(stage),
+            tma.async_copy_global_to_shared(desc_k, [b, kvh, (first + i) * BLOCK_N, 0], k_ready.index(stage),
                                             _box(k_smem.index(stage), desc_k))
             mbarrier.wait(v_empty.index(stage), phase=((c // 2) - 1) & 1, pred=reuse)
             mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_v, [b, kvh, i * BLOCK_N, 0], v_ready.index(stage),
+            tma.async_copy_global_to_shared(desc_v, [b, kvh, (first + i) * BLOCK_N, 0], v_ready.index(stage),
                                             _box(v_smem.index(stage), desc_v))
         it += n_blocks
 
@@ -258,10 +287,14 @@ def attn_fwd_ws(
     N_HEADS,                     # B·Hq
     qk_scale,                    # scale · log2(e)
     HEADS_PER_GROUP,             # causal: (batch, head)s scheduled together (order only, see _work)
+    win_left, win_right,         # window sides in keys (1 << 30: unbounded); unused unless WINDOW
+    cap,                         # softcap · log2(e); unused unless SOFTCAP
     HAS_KV_LEN: gl.constexpr,
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
     O_IN_Q: gl.constexpr = False,  # O leaves through the Q buffers (a box of D 256: module docstring)
+    WINDOW: gl.constexpr = False,  # a sliding window bounds the keys of each row
+    SOFTCAP: gl.constexpr = False,  # scores capped: softcap · tanh(S / softcap)
 ):
     """Prefill; a tile = 128 query rows of one (batch, head). Grid (programs,): program p takes
     tiles p, p + programs, ... in ``_work``'s order; the launcher gives min(tiles, SMs) programs
@@ -297,12 +330,12 @@ def attn_fwd_ws(
         mbarrier.init(v_empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (0, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
-                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL,
-                     O_IN_Q)),
+                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
+                     cap, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP)),
         (_consumer, (1, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
-                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, HAS_KV_LEN, IS_CAUSAL,
-                     O_IN_Q)),
+                     LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
+                     cap, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, HAS_KV_LEN, IS_CAUSAL,
-                     O_IN_Q)),
+                     v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right,
+                     HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, 24])

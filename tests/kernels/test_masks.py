@@ -3,8 +3,8 @@
 Each answer is checked against ``tests.helpers.masked64``, the modifiers written out in float64 from
 flash-attn's definitions (not kernels.masks), with STYLE item 11's budget: at most 2x the error of
 the same formula in the inputs' dtype, plus one output rounding. On the CPU the "flash" kernels
-run under TRITON_INTERPRET=1 (conftest sets it) at small sizes; the ``gpu`` tests add bfloat16
-and the Hopper kernels' refusals.
+run under TRITON_INTERPRET=1 (conftest sets it) at small sizes; the ``gpu`` tests add bfloat16,
+the Gluon prefill's windows and softcap, and the other Hopper kernels' refusals.
 """
 
 from __future__ import annotations
@@ -249,9 +249,14 @@ def test_flash_refuses_the_tma_kernel_for_masked_calls_and_says_why():
     masks = kernels.masks.Masks(softcap=5.0)
     with pytest.raises(ValueError, match="tma=True.*no window_size, softcap or alibi_slopes"):
         flash.flash_forward(q, k, v, causal=False, scale=0.125, tma=True, masks=masks)
-    why = flash._why_not(q, k, v, False, 0.125, 1, 1, None, True, "attn_fwd", masked=True)
-    assert set(why) == {"attn_fwd_ws", "attn_fwd_tma"} and all("alibi_slopes" in r for r in why.values())
-    assert set(flash._why_not(q, k, v, False, 0.125, 2, 4, None, True, "attn_fwd", masked=True)) == {"attn_decode"}
+    why = flash._why_not(q, k, v, False, 0.125, 1, 1, None, True, "attn_fwd", masks=masks)
+    assert set(why) == {"attn_fwd_ws", "attn_fwd_tma"} and "alibi_slopes" in why["attn_fwd_tma"]
+    assert "head_dim 64" in why["attn_fwd_ws"]  # the Gluon prefill takes softcap, not D 64
+    alibi = kernels.masks.Masks(alibi=torch.ones(1, 2))
+    why = flash._why_not(q, k, v, False, 0.125, 1, 1, None, True, "attn_fwd", masks=alibi)
+    assert all("alibi_slopes" in r for r in why.values())
+    why = flash._why_not(q, k, v, False, 0.125, 2, 4, None, True, "attn_fwd", masks=masks)
+    assert set(why) == {"attn_decode"} and "softcap" in why["attn_decode"]
 
 
 def test_wide_window_is_plain_attention():
@@ -298,10 +303,18 @@ def test_gradients_against_float64_autograd(name, kernel, monkeypatch):
 
 # ---- on a GPU ----
 
+# (shape, causal, window, softcap, ALiBi slopes, the kernel that serves it): the Gluon prefill takes
+# windows and softcap; ALiBi, the TMA kernel's shapes and the decode plans run attn_fwd
 GPU_CASES = {
-    "prefill_d128_window": ((2, 8, 2, 1025, 4097, 128), True, (256, -1), 0.0, None),   # the Gluon kernel's shape
-    "prefill_d64_all": ((1, 8, 8, 2048, 2048, 64), False, (300, 100), 30.0, "bh"),     # the TMA kernel's shape
-    "decode_split_gqa": ((4, 32, 8, 1, 8191, 128), True, (1024, -1), 50.0, "h"),       # the Gluon decode's shape
+    "prefill_d128_window": ((2, 8, 2, 1025, 4097, 128), True, (256, -1), 0.0, None, "gluon"),
+    "prefill_d128_window_cap": ((2, 4, 2, 2000, 2100, 128), False, (300, 100), 30.0, None, "gluon"),
+    "prefill_d96_cap_causal": ((1, 4, 4, 2048, 2048, 96), True, (-1, -1), 20.0, None, "gluon"),
+    # each row sees its own key only: a warpgroup's first block holds none of its rows' keys
+    "prefill_d256_diagonal_window": ((1, 2, 2, 1000, 1000, 256), False, (0, 0), 0.0, None, "gluon"),
+    "prefill_chunk_window": ((1, 4, 2, 300, 3000, 128), True, (500, -1), 0.0, None, "gluon"),
+    "prefill_d128_alibi": ((1, 4, 4, 2048, 2048, 128), True, (-1, -1), 0.0, "h", "attn_fwd"),
+    "prefill_d64_all": ((1, 8, 8, 2048, 2048, 64), False, (300, 100), 30.0, "bh", "attn_fwd"),   # TMA's shape
+    "decode_split_gqa": ((4, 32, 8, 1, 8191, 128), True, (1024, -1), 50.0, "h", "attn_fwd"),    # Gluon decode's
 }
 
 
@@ -313,23 +326,31 @@ def alone_slopes(slopes):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
-def test_gpu_masked_calls_skip_the_hopper_kernels(name, dtype, monkeypatch):
-    """Shapes the Gluon and TMA kernels would take run attn_fwd when masked (those kernels fail if
-    called), within budget of float64; batched equals each element alone, bit for bit."""
-    from kernels import flash
+def test_gpu_masked_calls_run_the_kernel_that_serves_them(name, dtype, monkeypatch):
+    """Windows and softcap run the Gluon prefill (the size threshold lifted: tma=True in flash_forward
+    is not reachable from attention, so the shapes are above it); ALiBi, the TMA kernel's shapes and
+    decode plans run attn_fwd (the other Hopper kernels fail if called). Within budget of float64;
+    batched equals each element alone, bit for bit."""
+    from kernels import flash, hopper
 
     monkeypatch.setenv("ATTNSERVE_AUTOTUNE", "0")
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a Hopper kernel ran a masked call")
+        raise AssertionError("a Hopper kernel ran a call it does not serve")
 
-    monkeypatch.setattr(flash, "_recipe", refuse)
+    shape, causal, window, cap, alibi, kernel = GPU_CASES[name]
+    ran = []
+    if kernel == "gluon":
+        real = hopper._forward_gluon
+        monkeypatch.setattr(hopper, "_forward_gluon", lambda *a: ran.append(1) or real(*a))
+    else:
+        monkeypatch.setattr(flash, "_recipe", refuse)
     monkeypatch.setattr(flash, "_forward_tma", refuse)
-    shape, causal, window, cap, alibi = GPU_CASES[name]
     q, k, v = qkv(shape, dtype, device="cuda")
     slopes = slopes_for(alibi, shape[0], shape[1], "cuda")
     opts = dict(causal=causal, window_size=window, softcap=cap, return_lse=True)
     o, lse = attention(q, k, v, alibi_slopes=slopes, **opts)
+    assert bool(ran) == (kernel == "gluon")
     al = None if slopes is None else slopes.cpu()
     check(o.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal=causal, window=window, softcap=cap, alibi=al)
     o1, lse1 = attention(q[-1:].clone(), k[-1:].clone(), v[-1:].clone(),

@@ -181,6 +181,7 @@ from kernels.jit import gluon_fwd as kg
 from kernels import hopper
 
 dtype, has_kv_len, causal, d = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
+window, softcap = sys.argv[5] == "1", sys.argv[6] == "1"
 fn = kg.attn_fwd_ws
 t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 box = hopper.gluon_box(d)
@@ -188,9 +189,10 @@ block_n, o_in_q, regs = hopper.GLUON_TILES[box]
 sig = dict.fromkeys(fn.arg_names, "i32")
 for name, rows in dict(desc_q=64, desc_k=block_n, desc_v=block_n, desc_o=64).items():
     sig[name] = mangle_type(hopper._descriptor(t, rows, box))  # the launcher's own descriptors
-sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32")
+sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32", cap="fp32")
 consts = {}
-for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=regs, O_IN_Q=o_in_q).items():
+for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=regs, O_IN_Q=o_in_q,
+                        WINDOW=window, SOFTCAP=softcap).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
@@ -201,15 +203,17 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
 """
 
 
-@pytest.mark.parametrize("dtype,has_kv_len,causal,d", [("fp16", False, False, 128), ("bf16", True, False, 128),
-                                                       ("fp16", True, True, 128), ("bf16", False, True, 128),
-                                                       ("bf16", True, True, 96), ("fp16", False, False, 256),
-                                                       ("bf16", True, True, 192)])
-def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, tmp_path):
+@pytest.mark.parametrize("dtype,has_kv_len,causal,d,window,softcap", [
+    ("fp16", False, False, 128, False, False), ("bf16", True, False, 128, False, False),
+    ("fp16", True, True, 128, False, False), ("bf16", False, True, 128, False, False),
+    ("bf16", True, True, 96, False, False), ("fp16", False, False, 256, False, False),
+    ("bf16", True, True, 192, False, False), ("bf16", False, True, 128, True, True),
+    ("fp16", True, False, 256, True, False)])
+def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, tmp_path):
     """Compiled for sm_90 with Triton's own ptxas, no GPU needed, at each tile D (96 pads to 128,
-    192 to 256)."""
-    shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, [dtype, str(int(has_kv_len)), str(int(causal)), str(d)],
-                                        tmp_path)
+    192 to 256), with and without a window and softcap."""
+    argv = [dtype, str(int(has_kv_len)), str(int(causal)), str(d), str(int(window)), str(int(softcap))]
+    shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
 
