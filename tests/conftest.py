@@ -89,7 +89,8 @@ def run_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
                wait_ready: bool = True, timeout: float = 120.0) -> Iterator[ServerProcess]:
     """Start ``python -m service`` on free ports (CPU unless args say otherwise); stop it after.
     A server that lost a port it was given to another process before it could bind it is started
-    again on new ports (twice at most), unless the test chose the ports."""
+    again on new ports (twice at most), unless the test chose the ports: whether it exited for it, or
+    the other process (another suite's server) answered for it (``PortTaken``)."""
     own_ports = "--http-port" in args or "--grpc-port" in args
     for attempt in range(3):
         server = _start_server(tmp_path, args, env)
@@ -97,8 +98,8 @@ def run_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
             if wait_ready:
                 try:
                     _wait_ready(server, timeout)
-                except RuntimeError:
-                    if attempt < 2 and not own_ports and _lost_its_port(server):
+                except RuntimeError as exc:
+                    if attempt < 2 and not own_ports and (isinstance(exc, PortTaken) or _lost_its_port(server)):
                         continue
                     raise
             yield server
@@ -141,7 +142,13 @@ def _stop_server(server: ServerProcess) -> None:
             proc.wait()
 
 
+class PortTaken(RuntimeError):
+    """Another process listens on a port the server was given: a ready answer there may be its."""
+
+
 def _wait_ready(server: ServerProcess, timeout: float) -> None:
+    """Until /readyz answers 200 and only the server's processes listen on its ports: a 200 from a
+    process that bound a port first (its own free pick, made in the same seconds) is not this server's."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -150,9 +157,54 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
             raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(server.url + "/readyz", timeout=1.0).status_code == 200:
+                taken = _ports_taken(server)
+                if taken:
+                    raise PortTaken(f"another process listens on port {taken} of the server:\n{server.log()}")
                 return
         time.sleep(0.1)
     raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
+
+
+def _ports_taken(server: ServerProcess) -> list[int]:
+    """The server's TCP ports (HTTP, and gRPC unless off) on which a process other than the server
+    and its children listens (grpc's SO_REUSEPORT lets two servers share a port silently); [] where
+    /proc cannot tell."""
+    args = list(server.proc.args)
+    grpc = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--grpc-port"]
+    ports = [server.http_port] + ([int(grpc[-1])] if grpc and int(grpc[-1]) else [])
+    listeners: dict[int, set[int]] = {}  # port -> inodes of the sockets listening on it
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    listeners.setdefault(int(fields[1].rsplit(":", 1)[1], 16), set()).add(int(fields[9]))
+    ours = {int(link[8:-1]) for link in _fd_links(_process_tree(server.proc.pid)) if link.startswith("socket:[")}
+    return [p for p in ports if listeners.get(p, set()) - ours]
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (under --processes the children listen on the gRPC port)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def _fd_links(pids: list[int]) -> list[str]:
+    links = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    links.append(os.readlink(fd.path))
+    return links
 
 
 # A CPU server that starts fast: HTTP only, one tiny warm-up shape.

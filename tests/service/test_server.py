@@ -38,17 +38,48 @@ def test_busy_http_port_stops_the_process(tmp_path):
             assert "HTTP server stopped" in server.log()
 
 
-@pytest.mark.parametrize("lost", ["http", "grpc"])
-def test_a_server_that_lost_its_port_is_started_again(tmp_path, monkeypatch, lost):
-    """run_server's ports are free when chosen, but another process may bind one before the server
-    has started (seconds later): the server exits, and run_server starts it again on new ports."""
-    import tests.conftest as cf
+@contextlib.contextmanager
+def _taken_port(how: str) -> Iterator[int]:
+    """A port another process (here, this one) listens on: "http"/"grpc" a plain listener (the server
+    cannot bind it), "http-answered" one that answers every GET with 200 (another suite's server,
+    ready), "grpc-shared" one with SO_REUSEPORT (grpc binds beside it, and the two share its calls)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    if how == "http-answered":
+        class Ready(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        with ThreadingHTTPServer(("127.0.0.1", 0), Ready) as other:
+            threading.Thread(target=other.serve_forever, daemon=True).start()
+            try:
+                yield other.server_address[1]
+            finally:
+                other.shutdown()
+        return
     with socket.socket() as busy:
+        if how == "grpc-shared":
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        taken = busy.getsockname()[1]
-        first = [taken, cf.free_port()] if lost == "http" else [cf.free_port(), taken]
+        yield busy.getsockname()[1]
+
+
+@pytest.mark.parametrize("lost", ["http", "grpc", "http-answered", "grpc-shared"])
+def test_a_server_that_lost_its_port_is_started_again(tmp_path, monkeypatch, lost):
+    """run_server's ports are free when chosen, but another process may bind one before the server
+    has started (seconds later): the server exits, or the other process answers /readyz in its stead,
+    or shares the gRPC port; run_server starts it again on new ports."""
+    import tests.conftest as cf
+
+    with _taken_port(lost) as taken:
+        first = [taken, cf.free_port()] if lost.startswith("http") else [cf.free_port(), taken]
         real, picks = cf.free_port, iter(first)
         monkeypatch.setattr(cf, "free_port", lambda: next(picks, None) or real())
         with cf.run_server(tmp_path) as server:
