@@ -15,9 +15,11 @@ program works through its tiles (``_work`` gives their order) with three roles s
   tile's Q is already coming in.
 
 Causal (bottom-right) tiles load no key block past their last row's diagonal and mask only the
-blocks that cross a warpgroup's diagonal. What Triton's own ``warp_specialize`` of ``attn_fwd_tma``
-could not express: that overlap inside a warpgroup, stages released per consumer, and a pipeline
-that runs across tiles; hence it is faster than both at D 128 (see docs/benchmarks/kernels.md#prefill).
+blocks that cross a warpgroup's diagonal; a sliding window (``WINDOW``) bounds the loaded blocks
+on both sides alike, and softcap (``SOFTCAP``) caps each score before any mask. What Triton's own
+``warp_specialize`` of ``attn_fwd_tma`` could not express: that overlap inside a warpgroup, stages
+released per consumer, and a pipeline that runs across tiles; hence it is faster than both at
+D 128 (see docs/benchmarks/kernels.md#prefill).
 
 Head dims: the tile's D is the descriptors' box (64, 128 or 256); a head dim below it (80, 96,
 192, ...) is read with zeros past its end (TMA fills a box past the tensor with zeros) and its O
