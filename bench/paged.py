@@ -7,10 +7,21 @@
   read, device time (the kernels replayed from a CUDA graph, inputs rotated among copies that
   together exceed L2 several times), against the contiguous decode of ``kernels.attention`` at the
   same lengths (``kv_lengths`` where mixed), and the public call's wall time (its host work and
-  its device-to-host copy of the lengths included);
+  its device-to-host copy of the lengths included). ``page64_ragged_fwd`` is the page-64 call with
+  ``ragged.GLUON_DECODE`` off (the Triton kernel where the Gluon one runs). ``flex`` is compiled
+  FlexAttention over the same page-64 cache: the pages as one ``[1, Hkv, P·page, D]`` key
+  sequence, a BlockMask whose KV blocks are each row's pages and whose mask_mod maps a physical key
+  to its logical position. ``fi_page16`` and ``fi_page64`` are FlashInfer's
+  ``BatchDecodeWithPagedKVCacheWrapper`` over the same pages, one planned wrapper per copy;
 - chunked prefill against a paged cache: Nq 256..2k query rows against 4k..32k keys, against the
-  contiguous causal ``kernels.attention``.
+  contiguous causal ``kernels.attention``. ``flashinfer`` is FlashInfer's
+  ``BatchPrefillWithPagedKVCacheWrapper``, causal (bottom-right, as ours), over the same pages.
 
+Each foreign provider's answer is checked against ``attention_paged``'s (its max abs error logged; a
+cell reads "wrong" past 2e-2) and a provider that cannot run reads "err" with a log line saying why.
+FlashInfer is optional: "n/a" where ``import flashinfer`` fails or ``BENCH_FLASHINFER=0``; it
+compiles its modules with nvcc on first use (about 2 minutes on the H200): ``python -m
+bench.flashinfer_jit`` builds them before the bench, so that its budget is not spent on them.
 Every row logs as it finishes; ``paged.md`` in --out-dir gathers them.
 """
 
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from pathlib import Path
 
@@ -26,7 +38,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from bench.timing import rotated_ms
-from kernels import attention, attention_paged, attention_varlen
+from kernels import attention, attention_paged, attention_varlen, ragged
 from kernels.flash import flash_forward
 from kernels.ragged import flash_ragged
 
@@ -39,6 +51,8 @@ DECODE = [  # (B, lengths: an int (equal) or (lo, hi) (mixed, seeded uniform))
 ]
 PAGES = [16, 64]
 CHUNKS = [(4, 256, 4096), (4, 1024, 16384), (2, 2048, 32768), (4, 2048, 4096)]  # (B, Nq, Nk)
+FLEX_PAGE = 64  # the cache flex reads: a compile per decode row already, page 16 would double them
+TOL = 2e-2  # max abs error against attention_paged past which a foreign provider's cell reads "wrong"
 
 
 def causal_flops(n_q: int, n_k: int) -> float:
@@ -71,6 +85,167 @@ def paged_cache(lens, page: int, seed: int):
 
 def n_copies(nbytes: float, cap: int = 8) -> int:
     return max(1, min(cap, math.ceil(L2_ROTATE / max(nbytes, 1)) + 1))
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def device_ms(calls, log, what: str) -> tuple[float, str]:
+    """(ms, how): ``rotated_ms`` over ``calls`` where they capture in a CUDA graph, else the
+    ``do_bench`` median of the first (launch host work and a flushed L2 included; logged)."""
+    try:
+        return rotated_ms(calls), "graph"
+    except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is timed as launched
+        log(f"  {what}: no graph capture ({type(exc).__name__}: {str(exc)[:120]}); do_bench median of one copy")
+        torch.cuda.synchronize()
+        return do_bench(calls[0], warmup=10, rep=40, return_mode="median"), "do_bench"
+
+
+# ---- FlexAttention over the paged cache ----
+
+@functools.cache
+def compiled_flex():
+    """``torch.compile(flex_attention)`` with static shapes: each decode row (B, pages, page size)
+    compiles once, and keeps the flex decoding kernel (a symbolic batch falls back to the prefill one)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 64)  # a compile per decode row, past the default 8
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True  # past the limit, an error, not eager flex's [B, Hq, 1, P·page] scores
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def paged_mask_mod(p2l: torch.Tensor, cache_lens: torch.Tensor, page: int):
+    """mask_mod over the physical keys: key j of the pool is row b's logical position
+    p2l[b, j // page]·page + j % page (negative where the page is not row b's), kept below cache_lens[b]."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        logical = p2l[b, kv_idx // page] * page + kv_idx % page
+        return (logical >= 0) & (logical < cache_lens[b])
+
+    return mask_mod
+
+
+def flex_paged_block_mask(table: torch.Tensor, cache_lens: torch.Tensor, lens, n_pages: int, page: int,
+                          full_blocks: bool = True):
+    """BlockMask of B one-row queries over the P = n_pages pages seen as one key sequence of P·page.
+
+    Each page is one KV block (BLOCK_SIZE (128, page): the row fits one Q block); row b's blocks are
+    table[b, :ceil(lens[b] / page)], physical page ids. full_blocks: the pages wholly inside the row
+    skip mask_mod (full_kv_*) and only a partial last page is masked; else every page is. The index
+    lists have P columns, as PagedAttention.convert_logical_block_mask's: from_kv_blocks makes them
+    dense over their last dim to derive the Q-side lists, so every page id must name a column."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, max_pages = table.shape
+    dev = table.device
+    need = torch.tensor([math.ceil(n / page) for n in lens], device=dev)
+    n_full = torch.tensor([n // page for n in lens], device=dev)
+    col = torch.arange(max_pages, device=dev).expand(b, max_pages)
+    live = col < need[:, None]
+    p2l = torch.full((b, n_pages), -1, dtype=torch.int32, device=dev)  # physical_to_logical
+    p2l[torch.arange(b, device=dev)[:, None].expand(b, max_pages)[live], table[live].long()] = (
+        col[live].to(torch.int32))
+    pages = torch.zeros(b, 1, 1, n_pages, dtype=torch.int32, device=dev)
+    pages[:, 0, 0, :max_pages] = table
+    kw = {"BLOCK_SIZE": (128, page), "mask_mod": paged_mask_mod(p2l, cache_lens, page),
+          "seq_lengths": (1, n_pages * page)}
+    if not full_blocks:
+        return BlockMask.from_kv_blocks(need.to(torch.int32).view(b, 1, 1), pages, **kw)
+    last = torch.zeros_like(pages)
+    last[:, 0, 0, 0] = table.gather(1, n_full.clamp(max=max_pages - 1)[:, None])[:, 0]
+    partial = (need > n_full).to(torch.int32).view(b, 1, 1)
+    return BlockMask.from_kv_blocks(partial, last, n_full.to(torch.int32).view(b, 1, 1), pages, **kw)
+
+
+def flex_paged_call(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, block_mask):
+    """q (B, Hq, D) over pages (P, page, Hkv, D): compiled flex_attention on q [B, Hq, 1, D] and the
+    pool as [1, Hkv, P·page, D] (a view: last dim contiguous), broadcast over B by the BlockMask."""
+    k, v = (t.view(-1, HKV, D).transpose(0, 1)[None] for t in (kp, vp))
+    return functools.partial(compiled_flex(), q.view(q.shape[0], HQ, 1, D), k, v, block_mask=block_mask,
+                             enable_gqa=True)
+
+
+def flex_decode_cell(qs, caches, lens, page: int, kv_bytes: float, ref, log, what: str):
+    """GB/s of K+V of compiled flex over each copy's cache (``BENCH_FLEX_FULL=0``: every page
+    masked, no full blocks), or "err"/"wrong" with a log line saying why."""
+    try:
+        if not caches:
+            raise RuntimeError("no paged cache (its build failed above)")
+        full = os.environ.get("BENCH_FLEX_FULL", "1") != "0"
+        calls = [flex_paged_call(q, kp, vp, flex_paged_block_mask(table, cl, lens, kp.shape[0], page, full))
+                 for q, (kp, vp, table, cl) in zip(qs, caches, strict=True)]
+        out = calls[0]()[:, :, 0]  # compiles here, one per (B, P, page); the other copies reuse it
+        err = None if ref is None else max_err(out, ref)
+        if err is not None and err > TOL:
+            log(f"  {what}: max abs err {err:.2e} vs attention_paged")
+            return "wrong"
+        ms, how = device_ms(calls, log, what)
+        log(f"  {what}: max abs err {'unchecked' if err is None else f'{err:.1e}'} vs attention_paged, "
+            f"{'full + partial' if full else 'partial'} blocks, timed by {how}")
+        return round(kv_bytes / ms / 1e6)
+    except Exception as exc:  # noqa: BLE001
+        log(f"  {what}: {type(exc).__name__}: {str(exc)[:200]}")
+        return "err"
+
+
+# ---- FlashInfer (optional) ----
+
+@functools.cache
+def flashinfer_or_why():
+    """(the flashinfer module, None), or (None, why it is not used)."""
+    if os.environ.get("BENCH_FLASHINFER", "1") == "0":
+        return None, "BENCH_FLASHINFER=0"
+    try:
+        import flashinfer
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install's own error
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+    return flashinfer, None
+
+
+@functools.cache
+def fi_workspace() -> torch.Tensor:
+    """FlashInfer's float workspace, 128 MiB, zeroed before first use as it asks; the wrappers
+    share it: their calls run one after another on one stream."""
+    return torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+
+
+def fi_page_index(table: torch.Tensor, lens, page: int):
+    """FlashInfer's CSR form of a block table: indptr int32 (B + 1,) (pages per row, summed), indices
+    int32 (indptr[-1],) (each row's first ceil(len / page) page ids, rows concatenated) and
+    last_page_len int32 (B,) (1..page keys in a row's last page)."""
+    dev = table.device
+    need = [math.ceil(n / page) for n in lens]
+    live = torch.arange(table.shape[1], device=dev)[None] < torch.tensor(need, device=dev)[:, None]
+    last = torch.tensor([n - (k - 1) * page for n, k in zip(lens, need, strict=True)], dtype=torch.int32,
+                        device=dev)
+    return cu(need, device=dev), table[live].contiguous(), last
+
+
+def fi_decode_cell(fi, qs, caches, lens, page: int, kv_bytes: float, ref, log, what: str):
+    """GB/s of K+V of FlashInfer's batch decode over each copy's cache (one wrapper planned per
+    copy, so the runs alone replay), or "err"/"wrong" with a log line saying why."""
+    try:
+        if not caches:
+            raise RuntimeError("no paged cache (its build failed above)")
+        calls = []
+        for q, (kp, vp, table, _) in zip(qs, caches, strict=True):
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(fi_workspace(), "NHD")
+            w.plan(*fi_page_index(table, lens, page), HQ, HKV, D, page, q_data_type=DTYPE, kv_data_type=DTYPE)
+            calls.append(functools.partial(w.run, q, (kp, vp)))
+        out = calls[0]()
+        err = None if ref is None else max_err(out, ref)
+        if err is not None and err > TOL:
+            log(f"  {what}: max abs err {err:.2e} vs attention_paged")
+            return "wrong"
+        ms, how = device_ms(calls, log, what)
+        log(f"  {what}: max abs err {'unchecked' if err is None else f'{err:.1e}'} vs attention_paged, "
+            f"timed by {how}")
+        return round(kv_bytes / ms / 1e6)
+    except Exception as exc:  # noqa: BLE001
+        log(f"  {what}: {type(exc).__name__}: {str(exc)[:200]}")
+        return "err"
 
 
 def bench_ragged_prefill(log) -> list[dict]:
@@ -135,6 +310,9 @@ def decode_lengths(b: int, spec, seed: int) -> list[int]:
 
 def bench_paged_decode(log, out_of_time) -> list[dict]:
     rows = []
+    fi, why = flashinfer_or_why()
+    if fi is None:
+        log(f"  flashinfer columns n/a: {why}")
     for b, spec in DECODE:
         lens = decode_lengths(b, spec, seed=b)
         kv_bytes = 2 * sum(lens) * HKV * D * DTYPE.itemsize
@@ -162,42 +340,88 @@ def bench_paged_decode(log, out_of_time) -> list[dict]:
             log(f"  decode contiguous B={b}: {type(exc).__name__}: {str(exc)[:160]}")
         torch.cuda.empty_cache()
         for page in PAGES:
+            caches, ref = [], None
             try:
                 caches = [paged_cache(lens, page, seed=i) for i in range(copies)]
                 # device time: the plan is cached after the first call, so the launches alone replay
                 calls = [functools.partial(flash_ragged, q, kp, vp, [1] * b, lens, causal=True, scale=D ** -0.5,
                                            block_table=table) for q, (kp, vp, table, _) in zip(qs, caches, strict=True)]
                 row[f"page{page}"] = round(kv_bytes / rotated_ms(calls) / 1e6)
+                if ragged.gluon_decode_refusal(qs[0], caches[0][0], caches[0][1], True,
+                                               ragged.kernel_config("decode", D, DTYPE, False)) is None:
+                    ragged.GLUON_DECODE = False  # the same items by ragged_fwd, for the record
+                    try:
+                        row[f"page{page}_ragged_fwd"] = round(kv_bytes / rotated_ms(calls) / 1e6)
+                    finally:
+                        ragged.GLUON_DECODE = True
                 kp, vp, table, cl = caches[0]
                 call = functools.partial(attention_paged, qs[0], kp, vp, table, cl, cu_q)
                 ms = do_bench(call, warmup=10, rep=40, return_mode="median")
                 row[f"page{page}_call_us"] = round(ms * 1e3, 1)
                 if isinstance(row.get("contiguous"), int):
                     row[f"page{page}/contig"] = round(row[f"page{page}"] / row["contiguous"], 3)
-                del caches, calls
+                ref = call()  # the answer the foreign providers are checked against, first copy
+                del calls
             except Exception as exc:  # noqa: BLE001
                 row[f"page{page}"] = "err"
                 log(f"  decode paged B={b} page={page}: {type(exc).__name__}: {str(exc)[:160]}")
+            torch.cuda.empty_cache()
+            if page == FLEX_PAGE:
+                row["flex"] = flex_decode_cell(qs, caches, lens, page, kv_bytes, ref, log,
+                                               f"decode flex B={b} page={page}")
+                torch.cuda.empty_cache()
+            row[f"fi_page{page}"] = "n/a" if fi is None else fi_decode_cell(
+                fi, qs, caches, lens, page, kv_bytes, ref, log, f"decode flashinfer B={b} page={page}")
+            del caches, ref
             torch.cuda.empty_cache()
         log("  paged decode (GB/s of K+V): " + ", ".join(f"{k}={v}" for k, v in row.items()))
         rows.append(row)
     return rows
 
 
+def fi_prefill_cell(fi, q, kp, vp, table, b: int, n_q: int, n_k: int, page: int, flops: float, ref, log,
+                    what: str):
+    """TFLOP/s of FlashInfer's paged prefill, causal, on B rows of n_q queries against n_k keys
+    (``do_bench`` median, as the ``paged`` column), or "err"/"wrong" with a log line saying why."""
+    try:
+        if kp is None:
+            raise RuntimeError("no paged cache (its build failed above)")
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(fi_workspace(), "NHD")
+        w.plan(cu([n_q] * b), *fi_page_index(table, [n_k] * b, page), HQ, HKV, D, page, causal=True,
+               q_data_type=DTYPE, kv_data_type=DTYPE)
+        out = torch.empty_like(q)
+        fn = functools.partial(w.run, q, (kp, vp), out=out)  # out given: run() zero-fills a new one each call
+        fn()
+        err = None if ref is None else max_err(out, ref)
+        if err is not None and err > TOL:
+            log(f"  {what}: max abs err {err:.2e} vs attention_paged")
+            return "wrong"
+        log(f"  {what}: max abs err {'unchecked' if err is None else f'{err:.1e}'} vs attention_paged, "
+            f"backend {getattr(w, '_backend', '?')}")
+        return round(flops / do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e9)
+    except Exception as exc:  # noqa: BLE001
+        log(f"  {what}: {type(exc).__name__}: {str(exc)[:200]}")
+        return "err"
+
+
 def bench_chunked_prefill(log, out_of_time, page: int = 64) -> list[dict]:
     rows = []
+    fi, why = flashinfer_or_why()
+    if fi is None:
+        log(f"  flashinfer column n/a: {why}")
     for b, n_q, n_k in CHUNKS:
         row = {"B": b, "Nq": n_q, "Nk": n_k, "page": page}
         if out_of_time():
             rows.append({**row, "skipped": "time"})
             continue
         flops = b * causal_flops(n_q, n_k)
+        q = kp = vp = table = ref = None
         try:
             q = torch.randn(b * n_q, HQ, D, device="cuda", dtype=DTYPE)
             kp, vp, table, cl = paged_cache([n_k] * b, page, seed=0)
             cu_q = cu([n_q] * b)
             fn = functools.partial(attention_paged, q, kp, vp, table, cl, cu_q)
-            fn()
+            ref = fn()
             row["paged"] = round(flops / do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e9)
             q4 = q.view(b, n_q, HQ, D).transpose(1, 2)
             k4 = torch.randn(b, HKV, n_k, D, device="cuda", dtype=DTYPE)
@@ -206,10 +430,15 @@ def bench_chunked_prefill(log, out_of_time, page: int = 64) -> list[dict]:
             fc()
             row["contiguous"] = round(flops / do_bench(fc, warmup=10, rep=40, return_mode="median") / 1e9)
             row["paged/contig"] = round(row["paged"] / row["contiguous"], 3)
-            del q, kp, vp, k4, v4
+            del k4, v4
         except Exception as exc:  # noqa: BLE001
             row.setdefault("paged", "err")
             log(f"  chunked prefill B={b} Nq={n_q} Nk={n_k}: {type(exc).__name__}: {str(exc)[:160]}")
+        torch.cuda.empty_cache()
+        row["flashinfer"] = "n/a" if fi is None else fi_prefill_cell(
+            fi, q, kp, vp, table, b, n_q, n_k, page, flops, ref, log,
+            f"chunked prefill flashinfer B={b} Nq={n_q} Nk={n_k}")
+        del q, kp, vp, table, ref
         torch.cuda.empty_cache()
         log("  chunked prefill (TFLOP/s): " + ", ".join(f"{k}={v}" for k, v in row.items()))
         rows.append(row)
@@ -235,7 +464,8 @@ def bench_paged(out_dir: Path, log, out_of_time, meta: dict) -> None:
     text = "\n\n".join([
         "# Ragged and paged attention", f"{meta}",
         "## Ragged prefill, TFLOP/s (causal FLOPs)", _table(prefill),
-        "## Paged decode, GB/s of K+V (device time, rotated inputs; `_call_us`: the public call's wall time)",
+        "## Paged decode, GB/s of K+V (device time, rotated inputs; `_call_us`: the public call's wall time; "
+        f"`flex`: the page-{FLEX_PAGE} cache)",
         _table(decode),
         "## Chunked prefill against a paged cache, TFLOP/s", _table(chunks),
         f"section time: {time.monotonic() - t0:.0f} s",

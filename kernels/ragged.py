@@ -50,6 +50,9 @@ PACK_ROWS = 64            # a sequence whose GQA group × n_q rows fit here is p
 SPLIT_KEY_QUANTUM = 256   # split boundaries are multiples of this many keys (a multiple of every BLOCK_N)
 MAX_SPLITS = 64
 SPLIT_WAVES = 1           # a short sequence is split into about this many waves of programs over the SMs
+GLUON_DECODE = True       # paged decode items on Hopper run paged_decode (Gluon) where it takes them
+GLUON_DECODE_BLOCK_N = 64  # paged_decode's keys a block: page_tokens must be a multiple
+GLUON_DECODE_STAGES = 2   # paged_decode's K/V blocks in flight per program, as attn_decode's
 
 
 # ---- the plan ----
@@ -418,6 +421,16 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
     for work, cfg, decode in plan.launches():
         if work.shape[0] == 0:
             continue
+        descs = gluon_decode_descriptors(q, k, v, paged, cfg, masks) if decode and paged else None
+        if descs is not None:
+            from .jit.gluon_paged import paged_decode
+
+            args = (q, *descs, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, *q.stride(), *o.stride(),
+                    *lse.stride(), hq, hq // hkv, scale * jit.LOG2E)
+            launch(paged_decode, (work.shape[0], hkv, 1), args,
+                   dict(PAGE=page, ROW_TILE=cfg.block_m, IS_CAUSAL=bool(causal), STAGES=GLUON_DECODE_STAGES),
+                   num_warps=4)
+            continue
         args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, slopes, *bt_strides, stride_as, stride_ah,
                 *q.stride(), *kst, *vst, *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E,
                 *masks.kernel_args())
@@ -432,6 +445,60 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
         launch(jit.ragged_merge, (plan.merge.shape[0], hq, 1), args,
                dict(D=d, BLOCK_D=bd, BLOCK_S=MAX_SPLITS), num_warps=4 if bd <= 128 else 8)
     return o, lse
+
+
+def gluon_decode_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool, cfg: Config,
+                         masks: Masks = NO_MASKS) -> str | None:
+    """Why ``paged_decode`` (Gluon, ``jit/gluon_paged.py``) does not run a call's decode items, or
+    None when it does: paged keys whose page_tokens is a multiple of ``GLUON_DECODE_BLOCK_N``, 16-bit
+    q, k, v at D 64 or 128, no score modifier, a Hopper GPU, pages a host TMA descriptor takes."""
+    return _gluon_decode_check(q, k, v, paged, cfg, masks)[1]
+
+
+def gluon_decode_descriptors(q, k, v, paged: bool, cfg: Config, masks: Masks = NO_MASKS) -> tuple | None:
+    """``paged_decode``'s K and V descriptors where ``gluon_decode_refusal`` is None, else None."""
+    descs, why = _gluon_decode_check(q, k, v, paged, cfg, masks)
+    _tell_decode("paged_decode (Gluon)" if why is None else "ragged_fwd", why, str(q.dtype), q.shape[-1],
+                 k.shape[1] if paged else 0)
+    return descs
+
+
+def _gluon_decode_check(q, k, v, paged: bool, cfg: Config, masks: Masks) -> tuple[tuple | None, str | None]:
+    from . import hopper
+
+    if not paged:
+        return None, "varlen keys (no pages)"
+    if not GLUON_DECODE:
+        return None, "ragged.GLUON_DECODE is off"
+    if masks.active:
+        return None, "a window, softcap or ALiBi (ragged_fwd has them)"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return None, "not float16/bfloat16"
+    d, page = q.shape[-1], k.shape[1]
+    if d not in (64, 128):
+        return None, "head_dim is not 64 or 128"
+    if page % GLUON_DECODE_BLOCK_N:
+        return None, f"page_tokens {page} is not a multiple of {GLUON_DECODE_BLOCK_N}"
+    if cfg.block_m > 64:
+        return None, "more than 64 rows a tile"
+    if triton_interpret():
+        return None, "Triton's interpreter cannot run Gluon"
+    if not hopper._hopper(q.device):
+        return None, "not sm_90"
+    # pages (P, page, Hkv, D) seen as (P, Hkv, page, D): a block is one (1, 1, BLOCK_N, D) box
+    descs = tuple(hopper._descriptor(t.permute(0, 2, 1, 3), GLUON_DECODE_BLOCK_N) for t in (k, v))
+    for name, desc in zip("kv", descs, strict=True):
+        *outer, last = desc.strides
+        if last != 1 or desc.base.data_ptr() % 16 or any(st % 8 or st == 0 for st in outer):
+            return None, f"{name}_pages: not 16-byte aligned, or a stride TMA cannot say"
+    return descs, None
+
+
+@functools.cache
+def _tell_decode(kernel: str, why: str | None, dtype: str, d: int, page: int) -> None:
+    """Logged once per combination: which kernel runs paged decode items, and why not the other."""
+    log.info("paged decode items (%s, D %d, page_tokens %d): %s%s", dtype.replace("torch.", ""), d, page, kernel,
+             "" if why is None else f" (paged_decode refused: {why})")
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

@@ -44,7 +44,13 @@ GPU_ONLY = {
     "long_64k": ([1, 1], [65536, 1025], 64, 32, 8, 128, True, 0),          # 64k keys, split and merged
     "page256_chunk": ([1025, 97], [4096, 97], 256, 32, 8, 128, True, 0),  # a 1025-row chunk against 4k keys
     "page16_d40": ([1, 17, 97], [1025, 17, 1024], 16, 8, 2, 40, False, 0),
+    # paged_decode (Gluon; pages of a multiple of 64): two row tiles (8 rows x group 4), a step as long
+    # as its keys, a partial page; D 64 non-causal with four tiles; q-only rows and an empty sequence
+    "gluon_rows": ([8, 3, 1], [4100, 3, 70], 64, 32, 8, 128, True, 0),
+    "gluon_d64": ([1, 5, 16], [1000, 129, 64], 128, 16, 4, 64, False, 0),
+    "gluon_q_only": ([4, 1, 2], [2, 0, 300], 64, 8, 2, 128, True, 0),
 }
+GLUON = ["gluon_rows", "gluon_d64", "gluon_q_only", "long_64k"]
 
 
 def make_cache(case, dtype, seed=0, device=DEV):
@@ -360,7 +366,8 @@ def test_paged_kernel_choice(monkeypatch):
 # each distinct kernel config (PAGE, D, class, dtype) compiles once or twice.
 GPU_FP32 = ["d256", "decode_page16", "page64_chunk"]
 GPU_RUNS = ([(name, torch.bfloat16) for name in sorted(CASES) + sorted(GPU_ONLY)]
-            + [(name, torch.float16) for name in FP16] + [(name, torch.float32) for name in GPU_FP32])
+            + [(name, torch.float16) for name in FP16 + ["gluon_d64"]]
+            + [(name, torch.float32) for name in GPU_FP32])
 
 
 @pytest.mark.gpu
@@ -368,6 +375,24 @@ GPU_RUNS = ([(name, torch.bfloat16) for name in sorted(CASES) + sorted(GPU_ONLY)
 def test_paged_gpu(name, dtype, monkeypatch):
     nan_empty(monkeypatch)
     run_case({**CASES, **GPU_ONLY}[name], dtype, "flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GLUON)
+def test_paged_gpu_gluon_decode(name, monkeypatch):
+    """The decode items of these cases run paged_decode (Gluon), and with it off ragged_fwd: both
+    within the budget of float64, on poisoned outputs and NaN in every free page slot."""
+    from kernels import ragged
+
+    nan_empty(monkeypatch)
+    case = GPU_ONLY[name]
+    q, kp, vp, *_ = make_cache(case, torch.bfloat16)
+    assert ragged.gluon_decode_refusal(q, kp, vp, True, ragged.kernel_config("decode", q.shape[-1], q.dtype, False)) \
+        is None
+    o_gluon, lse_gluon = run_case(case, torch.bfloat16, "flash")
+    monkeypatch.setattr(ragged, "GLUON_DECODE", False)
+    o_triton, lse_triton = run_case(case, torch.bfloat16, "flash")
+    assert (o_gluon.float() - o_triton.float()).abs().max().item() < 2e-2
 
 
 @pytest.mark.gpu

@@ -322,6 +322,72 @@ def test_decode_kernel_compiles_for_hopper(dtype, d, pack, causal, tmp_path):
     assert 2 * (int(shared) + 1024) <= 228 * 1024  # two blocks an SM, each with 1 KiB the system reserves
 
 
+_PAGED_DECODE_COMPILE = """
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from kernels.jit import gluon_paged as kp
+from kernels import hopper, ragged
+
+dtype, d, page, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+fn = kp.paged_decode
+pages = torch.empty(4, page, 2, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
+desc = mangle_type(hopper._descriptor(pages.permute(0, 2, 1, 3), ragged.GLUON_DECODE_BLOCK_N))  # the launch's own
+sig = dict.fromkeys(fn.arg_names, "i32")
+sig.update(desc_k=desc, desc_v=desc, Q="*" + dtype, O="*" + dtype, LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
+           WORK="*i32", SEQ="*i32", BT="*i32", qk_scale="fp32")
+consts = {}
+for name, value in dict(PAGE=page, ROW_TILE=16, IS_CAUSAL=causal, STAGES=ragged.GLUON_DECODE_STAGES).items():
+    sig[name] = "constexpr"
+    consts[(fn.arg_names.index(name),)] = value
+compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = compiled.asm["ptx"]
+print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor.4d")))
+"""
+
+
+@pytest.mark.parametrize("dtype,d,page,causal", [("bf16", 128, 64, True), ("fp16", 64, 128, False),
+                                                 ("bf16", 128, 256, False)])
+def test_paged_decode_kernel_compiles_for_hopper(dtype, d, page, causal, tmp_path):
+    """paged_decode (Gluon) compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``; two
+    programs must fit an SM, as attn_decode's."""
+    shared, has_ops = _compile_for_sm90(_PAGED_DECODE_COMPILE, [dtype, str(d), str(page), str(int(causal))], tmp_path)
+    assert has_ops == "True", "expected wgmma and 4-D TMA copies in the PTX"
+    assert 2 * (int(shared) + 1024) <= 228 * 1024
+
+
+def test_paged_decode_rules(monkeypatch):
+    """paged_decode takes paged 16-bit decode items at D 64 or 128 on Hopper, pages of a multiple of
+    64 tokens that a descriptor takes, no score modifier; everything else stays on ragged_fwd."""
+    from kernels import ragged
+    from kernels.masks import Masks
+
+    cfg = ragged.Config(16, 64, 2, 3)
+    q = torch.empty(3, 32, 128, dtype=torch.bfloat16)
+    kp, vp = (torch.empty(10, 64, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    assert ragged.gluon_decode_refusal(q, kp, vp, True, cfg) in ("not sm_90", "Triton's interpreter cannot run Gluon")
+    monkeypatch.setattr(hopper, "_hopper", lambda device: True)
+    monkeypatch.setattr(ragged, "triton_interpret", lambda: False)
+    assert ragged.gluon_decode_refusal(q, kp, vp, True, cfg) is None
+    assert ragged.gluon_decode_descriptors(q, kp, vp, True, cfg)[0].block_shape == [1, 1, 64, 128]
+    wide = torch.empty(2, 256, 8, 64, dtype=torch.float16)
+    assert ragged.gluon_decode_refusal(q[..., :64].half(), wide, wide, True, cfg) is None
+    assert "no pages" in ragged.gluon_decode_refusal(q, kp[0], vp[0], False, cfg)
+    small = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16)
+    assert "page_tokens 16" in ragged.gluon_decode_refusal(q, small, small, True, cfg)
+    assert "float16" in ragged.gluon_decode_refusal(q.float(), kp.float(), vp.float(), True, cfg)
+    odd = torch.empty(10, 64, 8, 96, dtype=torch.bfloat16)
+    assert "head_dim" in ragged.gluon_decode_refusal(q[..., :96], odd, odd, True, cfg)
+    assert "window" in ragged.gluon_decode_refusal(q, kp, vp, True, cfg, Masks(left=16, right=0))
+    assert "64 rows" in ragged.gluon_decode_refusal(q, kp, vp, True, ragged.Config(128, 64, 4, 3))
+    flat = torch.empty(kp.numel() + 1, dtype=kp.dtype)
+    assert "16-byte" in ragged.gluon_decode_refusal(q, flat[1:].view(kp.shape), vp, True, cfg)
+    monkeypatch.setattr(ragged, "GLUON_DECODE", False)
+    assert "GLUON_DECODE" in ragged.gluon_decode_refusal(q, kp, vp, True, cfg)
+
+
 def test_decode_path_rules(monkeypatch):
     """Packed or split plans, at most 64 rows a program, 16-bit, D 64 or 128, Hopper, K/V a host
     descriptor takes; q may have any strides."""

@@ -1,0 +1,194 @@
+"""The Hopper paged decode in Gluon: ``ragged_fwd``'s decode class with K/V pages streamed by TMA.
+
+Only ``@gluon.jit`` code lives here; ``kernels/ragged.py`` plans the work items, decides when it
+runs (``ragged.gluon_decode_refusal``), builds the descriptors and launches it and the merge.
+
+A program is one work item of the decode class, (sequence, row tile, key split), for one kv head:
+its rows are a tile of the GQA group × n_q query rows, padded to a wgmma's 64. The pages
+[P, page_tokens, Hkv, D] are seen as [P, Hkv, page_tokens, D] (a view), so a key block is one TMA
+box (1, 1, BLOCK_N, D) at (page, kv head, row in page, 0): page_tokens must be a multiple of
+BLOCK_N. The pipeline is ``jit/gluon_decode.py``'s: one thread asks for K and V blocks ``STAGES``
+ahead and refills a stage as soon as its GEMM is done; the page of a block is read from the block
+table one iteration before its load is issued, so the table's latency hides behind a block's work.
+
+The plan is ``ragged_fwd``'s (same items, same split boundaries), and so are the outputs: an
+unsplit item writes o in q's dtype and lse; a split writes its normalised float32 o and its lse
+to the partial buffers, which ``ragged_merge`` combines. Slots of a page past the sequence's
+length hold anything (pages are reused; never written slots may even be NaN): their scores are
+masked and, in the one block that has them, V's rows are zeroed in shared memory before P V.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_decode import ROWS, _load
+from .gluon_fwd import _finite
+
+
+@gluon.jit
+def _page(bt_row, stride_btc, key, PAGE: gl.constexpr, pred):
+    """The page holding key ``key`` (0 where ``pred`` is false: that block is never loaded)."""
+    return gl.load(bt_row + (key // PAGE) * stride_btc, mask=pred, other=0)
+
+
+@gluon.jit
+def paged_decode(
+    Q,                           # q (Tq, Hq, D), any strides
+    desc_k, desc_v,              # TMA descriptors over the pages seen as (P, Hkv, PAGE, D), boxes (1, 1, BLOCK_N, D)
+    O,                           # out: o (Tq, Hq, D), any strides
+    LSE,                         # out: lse (Hq, Tq) fp32, any strides
+    O_PART,                      # out: split partials (R, Hq, D) fp32 contiguous
+    LSE_PART,                    # out: split partials (R, Hq) fp32 contiguous
+    WORK,                        # int32 (n_work, 5): (sequence, row tile, key start, key end, partial row or -1)
+    SEQ,                         # int32 (S, 4): (q start, n_q, k start, n_k)
+    BT,                          # int32 block table (S, max_pages)
+    stride_btr, stride_btc,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_lh, stride_lt,
+    H_Q, GROUP,
+    qk_scale,                    # scale · log2(e)
+    PAGE: gl.constexpr,          # page_tokens, a multiple of BLOCK_N
+    ROW_TILE: gl.constexpr,      # the plan's rows a tile (the decode class's BLOCK_M), <= 64
+    IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + n_k - n_q
+    STAGES: gl.constexpr,        # K/V blocks in flight per program
+):
+    """Grid (work items, Hkv), 4 warps."""
+    BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
+    D: gl.constexpr = desc_k.block_type.shape[3]
+    dtype: gl.constexpr = desc_k.block_type.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                               warps_per_cta=[4, 1], order=[1, 0])
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    w = gl.program_id(0).to(gl.int64)
+    kvh = gl.program_id(1)
+    seq = gl.load(WORK + w * 5 + 0)
+    tile = gl.load(WORK + w * 5 + 1)
+    k0 = gl.load(WORK + w * 5 + 2)
+    k1 = gl.load(WORK + w * 5 + 3)
+    part = gl.load(WORK + w * 5 + 4)
+    q0 = gl.load(SEQ + seq * 4 + 0)
+    n_q = gl.load(SEQ + seq * 4 + 1)
+    n_k = gl.load(SEQ + seq * 4 + 3)
+    bt_row = BT + seq.to(gl.int64) * stride_btr
+    n_blocks = gl.cdiv(gl.maximum(k1 - k0, 0), BLOCK_N)
+
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], row_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], row_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+    gl.thread_barrier()
+    for i in gl.static_range(STAGES):  # the first blocks go out before Q is even read
+        key = k0 + i * BLOCK_N
+        page = _page(bt_row, stride_btc, key, PAGE, i < n_blocks)
+        _load(desc_k, k_smem.index(i), k_ready.index(i), page, kvh, key % PAGE, i < n_blocks)
+        _load(desc_v, v_smem.index(i), v_ready.index(i), page, kvh, key % PAGE, i < n_blocks)
+    nxt = _page(bt_row, stride_btc, k0 + STAGES * BLOCK_N, PAGE, STAGES < n_blocks)
+
+    # Q: tile row r is row tile·ROW_TILE + r of the group × n_q rows: query (that % n_q) of head
+    # kvh·GROUP + that // n_q; rows past the tile or the group are zeros
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+    rr = tile * ROW_TILE + r
+    q_rows = (q0 + rr % n_q).to(gl.int64) * stride_qt + (kvh * GROUP + rr // n_q).to(gl.int64) * stride_qh
+    q_ptrs = Q + gl.expand_dims(q_rows, 1) + gl.expand_dims(d.to(gl.int64) * stride_qd, 0)
+    q_ok = gl.expand_dims((r < ROW_TILE) & (rr < GROUP * n_q), 1) & gl.expand_dims(d < D, 0)
+    # through shared memory, as attn_decode's Q (wgmma from registers is wrong where BLOCK_N == D)
+    q = gl.allocate_shared_memory(dtype, [ROWS, D], row_layout, gl.load(q_ptrs, mask=q_ok, other=0.0))
+    fence_async_shared()
+
+    rs = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    diag = gl.expand_dims((tile * ROW_TILE + rs) % n_q + n_k - n_q, 1)  # causal: the last key each row sees
+    acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
+    m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+    s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+    for j in range(n_blocks):
+        st = j % STAGES
+        phase = (j // STAGES) & 1
+        start = k0 + j * BLOCK_N
+        refill = j + STAGES < n_blocks
+        key = start + STAGES * BLOCK_N
+        page = nxt
+        nxt = _page(bt_row, stride_btc, key + BLOCK_N, PAGE, j + STAGES + 1 < n_blocks)
+        mbarrier.wait(k_ready.index(st), phase)
+        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        gl.thread_barrier()  # every warp is done reading K_j: its stage takes K_{j+STAGES}
+        _load(desc_k, k_smem.index(st), k_ready.index(st), page, kvh, key % PAGE, refill)
+        s = s * qk_scale
+        last = start + BLOCK_N - 1
+        if IS_CAUSAL:
+            masked = (last >= n_k) | (last > n_k - n_q)
+        else:
+            masked = last >= n_k
+        if masked:  # keys >= n_k (a page's slots past the sequence), or past a row's diagonal
+            cols = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+            keep = cols < n_k
+            if IS_CAUSAL:
+                keep = keep & (cols <= diag)
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = _finite(m_new, IS_CAUSAL)  # without causal, a split's first block sees key k0
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        mbarrier.wait(v_ready.index(st), phase)
+        if last >= n_k:  # 0 · NaN is NaN: the slots past n_k must hold zeros, not whatever they hold
+            v_rows = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+            v_blk = v_smem.index(st).load(ld_layout)
+            v_smem.index(st).store(gl.where(gl.expand_dims(v_rows < n_k, 1), v_blk, gl.zeros_like(v_blk)))
+            fence_async_shared()
+            gl.thread_barrier()
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        gl.thread_barrier()
+        _load(desc_v, v_smem.index(st), v_ready.index(st), page, kvh, key % PAGE, refill)
+
+    # a row that saw no key (n_k 0, causal rows above the split's first key) -> 0, -inf
+    seen = l_i != 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    ro = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    rr_o = tile * ROW_TILE + ro
+    head_o = (kvh * GROUP + rr_o // n_q).to(gl.int64)
+    i_o = rr_o % n_q
+    o_ok = gl.expand_dims((ro < ROW_TILE) & (rr_o < GROUP * n_q), 1) & gl.expand_dims(do < D, 0)
+    rr_l = tile * ROW_TILE + rs
+    head_l = (kvh * GROUP + rr_l // n_q).to(gl.int64)
+    i_l = rr_l % n_q
+    l_ok = (rs < ROW_TILE) & (rr_l < GROUP * n_q)
+    if part < 0:
+        tok_o = (q0 + i_o).to(gl.int64)
+        o_ptrs = O + gl.expand_dims(tok_o * stride_ot + head_o * stride_oh, 1) + gl.expand_dims(do * stride_od, 0)
+        gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=o_ok)
+        gl.store(LSE + head_l * stride_lh + (q0 + i_l).to(gl.int64) * stride_lt, lse, mask=l_ok)
+    else:
+        prow_o = (part + i_o).to(gl.int64) * H_Q + head_o
+        gl.store(O_PART + gl.expand_dims(prow_o * D, 1) + gl.expand_dims(do, 0), o, mask=o_ok)
+        gl.store(LSE_PART + (part + i_l).to(gl.int64) * H_Q + head_l, lse, mask=l_ok)
+
+
+__all__ = ["paged_decode"]
