@@ -91,6 +91,18 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def checked_err(out: torch.Tensor, ref: torch.Tensor | None, log, what: str) -> str | None:
+    """A foreign answer's max abs error against ``attention_paged``'s, as text for the log
+    ("unchecked" without a reference), or None (logged) past ``TOL``: its cell reads "wrong"."""
+    if ref is None:
+        return "unchecked"
+    err = max_err(out, ref)
+    if err > TOL:
+        log(f"  {what}: max abs err {err:.2e} vs attention_paged")
+        return None
+    return f"{err:.1e}"
+
+
 def device_ms(calls, log, what: str) -> tuple[float, str]:
     """(ms, how): ``rotated_ms`` over ``calls`` where they capture in a CUDA graph, else the
     ``do_bench`` median of the first (launch host work and a flushed L2 included; logged)."""
@@ -177,12 +189,11 @@ def flex_decode_cell(qs, caches, lens, page: int, kv_bytes: float, ref, log, wha
         calls = [flex_paged_call(q, kp, vp, flex_paged_block_mask(table, cl, lens, kp.shape[0], page, full))
                  for q, (kp, vp, table, cl) in zip(qs, caches, strict=True)]
         out = calls[0]()[:, :, 0]  # compiles here, one per (B, P, page); the other copies reuse it
-        err = None if ref is None else max_err(out, ref)
-        if err is not None and err > TOL:
-            log(f"  {what}: max abs err {err:.2e} vs attention_paged")
+        err = checked_err(out, ref, log, what)
+        if err is None:
             return "wrong"
         ms, how = device_ms(calls, log, what)
-        log(f"  {what}: max abs err {'unchecked' if err is None else f'{err:.1e}'} vs attention_paged, "
+        log(f"  {what}: max abs err {err} vs attention_paged, "
             f"{'full + partial' if full else 'partial'} blocks, timed by {how}")
         return round(kv_bytes / ms / 1e6)
     except Exception as exc:  # noqa: BLE001
@@ -235,12 +246,11 @@ def fi_decode_cell(fi, qs, caches, lens, page: int, kv_bytes: float, ref, log, w
             w.plan(*fi_page_index(table, lens, page), HQ, HKV, D, page, q_data_type=DTYPE, kv_data_type=DTYPE)
             calls.append(functools.partial(w.run, q, (kp, vp)))
         out = calls[0]()
-        err = None if ref is None else max_err(out, ref)
-        if err is not None and err > TOL:
-            log(f"  {what}: max abs err {err:.2e} vs attention_paged")
+        err = checked_err(out, ref, log, what)
+        if err is None:
             return "wrong"
         ms, how = device_ms(calls, log, what)
-        log(f"  {what}: max abs err {'unchecked' if err is None else f'{err:.1e}'} vs attention_paged, "
+        log(f"  {what}: max abs err {err} vs attention_paged, "
             f"timed by {how}")
         return round(kv_bytes / ms / 1e6)
     except Exception as exc:  # noqa: BLE001
@@ -392,11 +402,10 @@ def fi_prefill_cell(fi, q, kp, vp, table, b: int, n_q: int, n_k: int, page: int,
         out = torch.empty_like(q)
         fn = functools.partial(w.run, q, (kp, vp), out=out)  # out given: run() zero-fills a new one each call
         fn()
-        err = None if ref is None else max_err(out, ref)
-        if err is not None and err > TOL:
-            log(f"  {what}: max abs err {err:.2e} vs attention_paged")
+        err = checked_err(out, ref, log, what)
+        if err is None:
             return "wrong"
-        log(f"  {what}: max abs err {'unchecked' if err is None else f'{err:.1e}'} vs attention_paged, "
+        log(f"  {what}: max abs err {err} vs attention_paged, "
             f"backend {getattr(w, '_backend', '?')}")
         return round(flops / do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e9)
     except Exception as exc:  # noqa: BLE001

@@ -41,6 +41,34 @@ def _load(desc, smem, bar, b, kvh, key, pred):
 
 
 @gluon.jit
+def _softmax_block(s, m_i, l_i, acc, start, kv_len, first_diag, diag, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One key block of the online softmax: s (ROWS, BLOCK_N), the scaled scores of keys
+    start..start + BLOCK_N, masked where a key is >= kv_len or, causal, past its row's diagonal
+    (``diag``, (ROWS, 1); the smallest ``first_diag``); m_i, l_i and acc rescaled to the new row max.
+    Returns (p, m_i, l_i, acc)."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    last = start + BLOCK_N - 1
+    if IS_CAUSAL:
+        masked = (last >= kv_len) | (last > first_diag)
+    else:
+        masked = last >= kv_len
+    if masked:  # keys >= kv_len (TMA reads zeros past N_K, pages hold anything), or past a row's diagonal
+        cols = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        keep = cols < kv_len
+        if IS_CAUSAL:
+            keep = keep & (cols <= diag)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = _finite(m_new, IS_CAUSAL)  # without causal, a split's first block sees its first key
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return p, m_new, l_i, acc
+
+
+@gluon.jit
 def attn_decode(
     Q,                           # q (B, Hq, Nq, D), any strides
     desc_k, desc_v,              # TMA descriptors over k, v (B, Hkv, Nk, D), boxes (1, 1, BLOCK_N, D)
@@ -126,25 +154,8 @@ def attn_decode(
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         gl.thread_barrier()  # every warp is done reading K_j: its stage takes K_{j+STAGES}
         _load(desc_k, k_smem.index(st), k_ready.index(st), b, kvh, start + STAGES * BLOCK_N, refill)
-        s = s * qk_scale
-        last = start + BLOCK_N - 1
-        if IS_CAUSAL:
-            masked = (last >= kv_len) | (last > N_K - N_Q)
-        else:
-            masked = last >= kv_len
-        if masked:  # keys >= kv_len (TMA reads zeros past N_K), or past a row's diagonal
-            cols = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-            keep = cols < kv_len
-            if IS_CAUSAL:
-                keep = keep & (cols <= diag)
-            s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = _finite(m_new, IS_CAUSAL)  # without causal, a split's first block sees key k0
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p, m_i, l_i, acc = _softmax_block(s * qk_scale, m_i, l_i, acc, start, kv_len, N_K - N_Q, diag, s_layout,
+                                          o_layout, IS_CAUSAL)
         mbarrier.wait(v_ready.index(st), phase)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)

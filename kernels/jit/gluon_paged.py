@@ -29,8 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_decode import ROWS, _load
-from .gluon_fwd import _finite
+from .gluon_decode import ROWS, _load, _softmax_block
 
 
 @gluon.jit
@@ -133,27 +132,10 @@ def paged_decode(
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         gl.thread_barrier()  # every warp is done reading K_j: its stage takes K_{j+STAGES}
         _load(desc_k, k_smem.index(st), k_ready.index(st), page, kvh, key % PAGE, refill)
-        s = s * qk_scale
-        last = start + BLOCK_N - 1
-        if IS_CAUSAL:
-            masked = (last >= n_k) | (last > n_k - n_q)
-        else:
-            masked = last >= n_k
-        if masked:  # keys >= n_k (a page's slots past the sequence), or past a row's diagonal
-            cols = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-            keep = cols < n_k
-            if IS_CAUSAL:
-                keep = keep & (cols <= diag)
-            s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = _finite(m_new, IS_CAUSAL)  # without causal, a split's first block sees key k0
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p, m_i, l_i, acc = _softmax_block(s * qk_scale, m_i, l_i, acc, start, n_k, n_k - n_q, diag, s_layout,
+                                          o_layout, IS_CAUSAL)
         mbarrier.wait(v_ready.index(st), phase)
-        if last >= n_k:  # 0 · NaN is NaN: the slots past n_k must hold zeros, not whatever they hold
+        if start + BLOCK_N > n_k:  # 0 · NaN is NaN: the slots past n_k must hold zeros, not whatever they hold
             v_rows = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
             v_blk = v_smem.index(st).load(ld_layout)
             v_smem.index(st).store(gl.where(gl.expand_dims(v_rows < n_k, 1), v_blk, gl.zeros_like(v_blk)))
