@@ -15,6 +15,10 @@ all, so no sequence is padded to the longest.
 - "chunk" sequences: prefill rows against at least twice as many keys (a chunked prefill against
   its cache), the same program with smaller tiles, which the H200 runs faster on that shape.
 
+On Hopper the decode items of a paged call run ``paged_decode`` and the prefill and chunk items
+``ragged_prefill`` (Gluon, TMA; both tiles 128 rows), where they take the call (``gluon_*_refusal``);
+else ``ragged_fwd`` (Triton) runs every class.
+
 A sequence whose programs alone would leave SMs idle (few query rows, many keys) is split along its
 keys (flash-decoding): each split writes a float32 partial (o, lse), and ``ragged_merge`` combines
 a token's splits in order.
@@ -53,6 +57,8 @@ SPLIT_WAVES = 1           # a short sequence is split into about this many waves
 GLUON_DECODE = True       # paged decode items on Hopper run paged_decode (Gluon) where it takes them
 GLUON_DECODE_BLOCK_N = 64  # paged_decode's keys a block: page_tokens must be a multiple
 GLUON_DECODE_STAGES = 2   # paged_decode's K/V blocks in flight per program, as attn_decode's
+GLUON_PREFILL = True      # prefill and chunk items on Hopper run ragged_prefill (Gluon) where it takes them
+GLUON_ROWS = 128          # ragged_prefill's query rows a tile: the plan's prefill and chunk BLOCK_M under it
 
 
 # ---- the plan ----
@@ -75,12 +81,14 @@ def block_d(d: int) -> int:
 CLASSES = ("decode", "prefill", "chunk")
 
 
-def kernel_config(cls: str, d: int, dtype: torch.dtype, interpret: bool) -> Config:
+def kernel_config(cls: str, d: int, dtype: torch.dtype, interpret: bool, gluon: bool = False) -> Config:
     """Tiles of one class (``CLASSES``), the fastest of ``python -m bench.paged --sweep`` on the
     H200 at D = 128 (docs/benchmarks/kernels.md): decode packs up to 16 rows (the smallest tl.dot
     M) and streams 64-key blocks with two warps; prefill takes 128 x 128 tiles, a chunk 64 x 64.
     Float32 tiles take twice the shared memory. The interpreter's tiles are small (CPU time) and
-    differ per class, so the CPU tests run every class's shape."""
+    differ per class, so the CPU tests run every class's shape. ``gluon`` (``gluon_plans``): the
+    prefill and chunk items are planned in ``ragged_prefill``'s 128-row tiles, and where it then
+    refuses a call (ALiBi, unaligned tensors) ``ragged_fwd`` runs them at 128 rows too."""
     if interpret:
         return {"decode": Config(16, 32, 4, 1), "prefill": Config(32, 32, 4, 1), "chunk": Config(16, 32, 4, 1)}[cls]
     bd = block_d(d)
@@ -88,13 +96,24 @@ def kernel_config(cls: str, d: int, dtype: torch.dtype, interpret: bool) -> Conf
         return Config(16 if cls == "decode" else 64, 64 if bd <= 128 else 32, 4, 2)
     if cls == "decode":
         return Config(16, 64, 2, 3) if bd <= 128 else Config(16, 64, 4, 2)
-    if cls == "chunk":
+    if cls == "chunk" and not gluon:
         return Config(64, 64, 4, 3) if bd <= 128 else Config(64, 64, 4, 2)
     if bd <= 64:
         return Config(128, 64, 4, 3)
     if bd <= 128:
         return Config(128, 128, 8, 3)
     return Config(128, 64, 8, 2)
+
+
+def gluon_plans(d: int, dtype: torch.dtype, device: torch.device, interpret: bool) -> bool:
+    """Whether a call's prefill and chunk items are planned for ``ragged_prefill``: on by
+    ``GLUON_PREFILL``, 16-bit on a Hopper GPU, a head dim ``hopper.gluon_box`` takes. Call-level
+    facts only, so a sequence's plan stays its own (batch invariance)."""
+    if not GLUON_PREFILL or interpret or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    from . import hopper
+
+    return hopper.gluon_box(d) is not None and hopper._hopper(device)
 
 
 def page_block(block_n: int, page: int) -> bool:
@@ -219,7 +238,9 @@ def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence
     (a decode step's are, each step): a plan of at most ``SMALL_PLAN_ITEMS`` items is listed in
     plain Python, a larger one (a step of many long sequences has hundreds of split items) with
     numpy over every item at once; both give the same plan."""
-    cfgs = tuple(kernel_config(c, d, dtype, interpret) for c in CLASSES)
+    gluon = gluon_plans(d, dtype, device, interpret)
+    cfgs = tuple(kernel_config(c, d, dtype, interpret, gluon) if gluon else kernel_config(c, d, dtype, interpret)
+                 for c in CLASSES)
     block_ms = tuple(c.block_m for c in cfgs)
     sms = num_sms(device)
     nq_l = [int(x) for x in q_lens]
@@ -343,11 +364,12 @@ def _numpy_plan(nq_l: list[int], nk_l: list[int], k_starts: Sequence[int] | None
 @functools.lru_cache(maxsize=256)
 def cached_plan(q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_starts: tuple[int, ...] | None, hq: int, hkv: int,
                 d: int, dtype: torch.dtype, device: torch.device, causal: bool, interpret: bool,
-                stream: int | None = None) -> Plan:
+                stream: int | None = None, gluon_prefill: bool = True) -> Plan:
     """``build_plan``, kept for lengths seen before (a repeated batch skips the host work and the
     host-to-device copy; the device buffers are only ever read). Kept per CUDA ``stream`` (its id):
     the plan's copy is ordered on the stream it was built on, so only launches on that stream may
-    read it without waiting."""
+    read it without waiting. ``gluon_prefill`` is ``GLUON_PREFILL`` at the call, part of the key
+    only: the plan's row tiles follow it (``gluon_plans``)."""
     return build_plan(q_lens, k_lens, k_starts, hq, hkv, d, dtype, device, causal, interpret)
 
 
@@ -384,7 +406,7 @@ def flash_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequ
     interpret = triton_interpret() and dev.type == "cpu"
     stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else None
     plan = cached_plan(tuple(q_lens), tuple(k_lens), None if k_starts is None else tuple(k_starts), hq,
-                       k.shape[-2], d, q.dtype, dev, bool(causal), interpret, stream)
+                       k.shape[-2], d, q.dtype, dev, bool(causal), interpret, stream, GLUON_PREFILL)
     return launch_plan(q, k, v, plan, causal=causal, scale=scale, block_table=block_table, masks=masks)
 
 
@@ -430,6 +452,17 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
             launch(paged_decode, (work.shape[0], hkv, 1), args,
                    dict(PAGE=page, ROW_TILE=cfg.block_m, IS_CAUSAL=bool(causal), STAGES=GLUON_DECODE_STAGES),
                    num_warps=4)
+            continue
+        prefill = None if decode else gluon_prefill_check(q, k, v, paged, cfg, masks)
+        if prefill is not None and prefill[0] is not None:
+            from .jit.gluon_ragged import ragged_prefill
+
+            descs, regs = prefill[0]
+            args = (*descs, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, o.stride(0), o.stride(1),
+                    *lse.stride(), hq, hq // hkv, d, scale * jit.LOG2E, *masks.kernel_args())
+            launch(ragged_prefill, (work.shape[0], hq, 1), args,
+                   dict(PAGED=paged, PAGE=page, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs, WINDOW=masks.window,
+                        SOFTCAP=masks.softcap > 0), num_warps=4)
             continue
         args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, slopes, *bt_strides, stride_as, stride_ah,
                 *q.stride(), *kst, *vst, *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E,
@@ -492,6 +525,71 @@ def _gluon_decode_check(q, k, v, paged: bool, cfg: Config, masks: Masks) -> tupl
         if last != 1 or desc.base.data_ptr() % 16 or any(st % 8 or st == 0 for st in outer):
             return None, f"{name}_pages: not 16-byte aligned, or a stride TMA cannot say"
     return descs, None
+
+
+def gluon_prefill_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool, cfg: Config,
+                          masks: Masks = NO_MASKS) -> str | None:
+    """Why ``ragged_prefill`` (Gluon, ``jit/gluon_ragged.py``) does not run a call's prefill or
+    chunk items, or None when it does: 16-bit q, k, v at a head dim ``hopper.gluon_box`` takes,
+    items planned in its 128-row tiles (``gluon_plans``), no ALiBi, page_tokens a multiple of 64,
+    a Hopper GPU, tensors host TMA descriptors take."""
+    return _gluon_prefill_check(q, k, v, paged, cfg, masks)[1]
+
+
+def gluon_prefill_check(q, k, v, paged: bool, cfg: Config, masks: Masks = NO_MASKS) -> tuple:
+    """(((q, k, v descriptors), consumer registers) or None, why not): ``gluon_prefill_refusal``'s
+    rule, the choice logged once per combination."""
+    got = _gluon_prefill_check(q, k, v, paged, cfg, masks)
+    _tell_prefill("ragged_prefill (Gluon)" if got[1] is None else "ragged_fwd", got[1], str(q.dtype), q.shape[-1],
+                  k.shape[1] if paged else 0)
+    return got
+
+
+def _gluon_prefill_check(q, k, v, paged: bool, cfg: Config, masks: Masks) -> tuple[tuple | None, str | None]:
+    from . import hopper
+
+    if not GLUON_PREFILL:
+        return None, "ragged.GLUON_PREFILL is off"
+    if masks.alibi is not None:
+        return None, "alibi_slopes (ragged_prefill takes window_size and softcap only)"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return None, "not float16/bfloat16"
+    d = q.shape[-1]
+    box = hopper.gluon_box(d)
+    if box is None:
+        return None, f"head_dim {d} is not a multiple of 8 in {hopper.GLUON_MIN_D}..{max(hopper.GLUON_TILES)}"
+    if cfg.block_m != GLUON_ROWS:
+        return None, f"the plan's row tiles are {cfg.block_m} rows, not {GLUON_ROWS}"
+    if k.numel() == 0:
+        return None, "no keys (a TMA descriptor has no empty dims)"
+    if triton_interpret():
+        return None, "Triton's interpreter cannot run Gluon"
+    if not hopper._hopper(q.device):
+        return None, "not sm_90"
+    block_n, _, regs = hopper.GLUON_TILES[box]
+    if paged:
+        page = k.shape[1]
+        if page % block_n:
+            block_n = GLUON_DECODE_BLOCK_N  # a page of 64 still holds whole 64-key blocks
+        if page % block_n:
+            return None, f"page_tokens {page} is not a multiple of {GLUON_DECODE_BLOCK_N}"
+        kv = [t.permute(0, 2, 1, 3) for t in (k, v)]  # (P, Hkv, page, D)
+    else:
+        kv = [t.permute(1, 0, 2).unsqueeze(0) for t in (k, v)]  # (1, Hkv, Tk, D)
+    descs = (hopper._descriptor(q.permute(1, 0, 2).unsqueeze(0), GLUON_ROWS // 2, box),
+             *(hopper._descriptor(t, block_n, box) for t in kv))
+    for name, desc in zip("qkv", descs, strict=True):
+        *outer, last = desc.strides
+        if last != 1 or desc.base.data_ptr() % 16 or any(st % 8 or st == 0 for st in outer):
+            return None, f"{name}: not 16-byte aligned, or a stride TMA cannot say"
+    return (descs, regs), None
+
+
+@functools.cache
+def _tell_prefill(kernel: str, why: str | None, dtype: str, d: int, page: int) -> None:
+    """Logged once per combination: which kernel runs prefill and chunk items, and why not the other."""
+    log.info("ragged prefill items (%s, D %d, page_tokens %d): %s%s", dtype.replace("torch.", ""), d, page, kernel,
+             "" if why is None else f" (ragged_prefill refused: {why})")
 
 
 @functools.cache

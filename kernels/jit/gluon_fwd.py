@@ -137,6 +137,99 @@ def _work(t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, w
 
 
 @gluon.jit
+def _zero_rows_from(tile, valid):
+    """Rows >= valid of a (BLOCK_N, D) K or V tile in shared memory set to zero, by this warpgroup,
+    16 rows at a time (a whole tile in registers would not fit beside a consumer's accumulator):
+    P is 0 for such a key, but 0 · NaN is NaN, and a ragged block's rows past its end belong to
+    another sequence, or to pages never written."""
+    BLOCK_N: gl.constexpr = tile.shape[0]
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[4, 1], order=[1, 0])
+    for c in gl.static_range(BLOCK_N // CHUNK):
+        if (c + 1) * CHUNK > valid:
+            part = tile.slice(c * CHUNK, CHUNK, dim=0)
+            rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            x = part.load(layout)
+            part.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, n_blocks, first_key, kv_len, diag,
+            qk_scale, win_left, win_right, cap, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+            SOFTCAP: gl.constexpr, RELEASE_Q: gl.constexpr, ZERO_TAIL: gl.constexpr):
+    """One warpgroup's rows (q, (ROWS, D) in shared memory) against a tile's n_blocks key blocks
+    from key first_key, the blocks counted from ``it`` in the two-stage ring; -> (acc (ROWS, D),
+    m_i, l_i), acc not yet divided by l_i. RELEASE_Q: arrive on q_empty once every S is done (the
+    next tile's Q may come in). ZERO_TAIL: V rows at or past kv_len in the last block are zeroed
+    before P V (``_zero_rows_from``)."""
+    ROWS: gl.constexpr = q.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    D: gl.constexpr = q.shape[1]
+    dtype: gl.constexpr = q.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
+    m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+    if n_blocks > 0:
+        # block 0: S_0 and its softmax; no P V before it
+        st = it % 2
+        mbarrier.wait(k_ready.index(st), phase=(it // 2) & 1)
+        s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, first_key, kv_len, diag,
+                    win_left, win_right, cap, IS_CAUSAL, WINDOW, SOFTCAP)
+        mbarrier.arrive(k_empty.index(st))
+        m_i = gl.max(s, axis=1)
+        p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL or WINDOW), 1))
+        l_i = gl.sum(p, axis=1)
+        for j in range(1, n_blocks):
+            c = it + j
+            stage = c % 2
+            prev = 1 - stage
+            # S_j first, then P_{j-1} V_{j-1}: the softmax of S_j runs while the second is in flight
+            mbarrier.wait(k_ready.index(stage), phase=(c // 2) & 1)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), phase=((c - 1) // 2) & 1)
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
+            s = _scores(s, qk_scale, first_key + j * BLOCK_N, kv_len, diag, win_left, win_right, cap,
+                        IS_CAUSAL, WINDOW, SOFTCAP)
+            mbarrier.arrive(k_empty.index(stage))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = _finite(m_new, IS_CAUSAL or WINDOW)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        if RELEASE_Q:
+            mbarrier.arrive(q_empty)  # every S of this tile is done: the next tile's Q may come in
+        c = it + n_blocks - 1
+        last = c % 2
+        mbarrier.wait(v_ready.index(last), phase=(c // 2) & 1)
+        if ZERO_TAIL:
+            tail = first_key + (n_blocks - 1) * BLOCK_N
+            if tail + BLOCK_N > kv_len:
+                _zero_rows_from(v_smem.index(last), kv_len - tail)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        mbarrier.arrive(v_empty.index(last))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
               LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
               cap, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr, WINDOW: gl.constexpr,
@@ -150,7 +243,6 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(wg)
     o_tile = o_smem.index(wg)
@@ -163,57 +255,13 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
             HAS_KV_LEN, IS_CAUSAL, WINDOW)
         r0 = row0 + wg * ROWS
         diag = r0 + N_K - N_Q  # the last key this warpgroup's first row may see (causal)
-        acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
-        m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
         loads_q = (n_blocks > 0) | O_IN_Q  # O_IN_Q: every tile's O goes out through its Q buffer
         if loads_q:
             mbarrier.wait(q_bar.index(wg), phase=qc & 1)
-        if n_blocks > 0:
-            # block 0: S_0 and its softmax; no P V before it
-            st = it % 2
-            mbarrier.wait(k_ready.index(st), phase=(it // 2) & 1)
-            s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
-            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
-            s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, first * BLOCK_N, kv_len, diag,
-                        win_left, win_right, cap, IS_CAUSAL, WINDOW, SOFTCAP)
-            mbarrier.arrive(k_empty.index(st))
-            m_i = gl.max(s, axis=1)
-            p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL or WINDOW), 1))
-            l_i = gl.sum(p, axis=1)
-            for j in range(1, n_blocks):
-                c = it + j
-                stage = c % 2
-                prev = 1 - stage
-                # S_j first, then P_{j-1} V_{j-1}: the softmax of S_j runs while the second is in flight
-                mbarrier.wait(k_ready.index(stage), phase=(c // 2) & 1)
-                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), phase=((c - 1) // 2) & 1)
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
-                s = _scores(s, qk_scale, (first + j) * BLOCK_N, kv_len, diag, win_left, win_right, cap,
-                            IS_CAUSAL, WINDOW, SOFTCAP)
-                mbarrier.arrive(k_empty.index(stage))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                m_use = _finite(m_new, IS_CAUSAL or WINDOW)
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - gl.expand_dims(m_use, 1))
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-                mbarrier.arrive(v_empty.index(prev))
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            if not O_IN_Q:
-                mbarrier.arrive(q_empty.index(wg))  # every S of this tile is done: the next tile's Q may come in
-            c = it + n_blocks - 1
-            last = c % 2
-            mbarrier.wait(v_ready.index(last), phase=(c // 2) & 1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
-            acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-            mbarrier.arrive(v_empty.index(last))
-            it += n_blocks
+        acc, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(wg), it,
+                                n_blocks, first * BLOCK_N, kv_len, diag, qk_scale, win_left, win_right, cap,
+                                IS_CAUSAL, WINDOW, SOFTCAP, not O_IN_Q, False)
+        it += n_blocks
         if loads_q:
             qc += 1
         # rows that saw no key (kv_len = 0, or causal rows above the first key) -> o = 0, lse = -inf

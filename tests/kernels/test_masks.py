@@ -370,6 +370,30 @@ def test_gpu_varlen_bf16():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [0, 64])  # varlen keys; pages of 64 (64-key blocks)
+def test_gpu_ragged_prefill_window_softcap(page):
+    """A window and softcap in ragged_prefill (Gluon): prefill and chunk tiles whose first and last
+    blocks cross the window's edges, beside a decode, within the budget of float64."""
+    from kernels import ragged
+
+    q_lens, k_lens, hq, hkv, d = [1, 300, 200], [4097, 300, 2500], 8, 2, 128
+    q, k, v, cu_q, cu_k = packed(q_lens, k_lens, hq, hkv, d, torch.bfloat16, device="cuda")
+    k_seqs, v_seqs = split_rows(k, k_lens), split_rows(v, k_lens)
+    opts = dict(causal=True, window_size=(200, -1), softcap=20.0, return_lse=True)
+    cfg = ragged.kernel_config("chunk", d, q.dtype, False, True)
+    if page:
+        k_pages, v_pages, table = paginate(k_seqs, v_seqs, page)
+        lens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
+        assert ragged.gluon_prefill_refusal(q, k_pages, v_pages, True, cfg) is None
+        o, lse = attention_paged(q, k_pages, v_pages, table, lens, cu_q, **opts)
+    else:
+        assert ragged.gluon_prefill_refusal(q, k, v, False, cfg) is None
+        o, lse = attention_varlen(q, k, v, cu_q, cu_k, **opts)
+    check_ragged(o.cpu(), lse.cpu(), q.cpu(), [t.cpu() for t in k_seqs], [t.cpu() for t in v_seqs], q_lens, None,
+                 causal=True, window=(200, -1), cap=20.0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_backward_16bit(dtype, monkeypatch):
     """The Triton backward with every modifier: error at most 2x that of float32 autograd of

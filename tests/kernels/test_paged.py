@@ -49,8 +49,15 @@ GPU_ONLY = {
     "gluon_rows": ([8, 3, 1], [4100, 3, 70], 64, 32, 8, 128, True, 0),
     "gluon_d64": ([1, 5, 16], [1000, 129, 64], 128, 16, 4, 64, False, 0),
     "gluon_q_only": ([4, 1, 2], [2, 0, 300], 64, 8, 2, 128, True, 0),
+    # ragged_prefill (Gluon): 128-row tiles over pages of 64 (64-key blocks) beside a decode, a
+    # sequence as long as its rows, rows past their keys; a 40-row chunk split along its 6000 keys
+    # (partials and merge), D 96 padded to 128; D 256 non-causal
+    "gluon_prefill_p64": ([300, 64, 1, 130], [5000, 64, 1000, 129], 64, 32, 8, 128, True, 0),
+    "gluon_split_d96": ([40, 200], [6000, 2000], 128, 16, 4, 96, True, 0),
+    "gluon_d256_full": ([150, 70], [700, 3000], 64, 8, 8, 256, False, 0),
 }
 GLUON = ["gluon_rows", "gluon_d64", "gluon_q_only", "long_64k"]
+GLUON_PREFILL = ["gluon_prefill_p64", "gluon_split_d96", "gluon_d256_full", "page256_chunk", "page64_chunk"]
 
 
 def make_cache(case, dtype, seed=0, device=DEV):
@@ -392,6 +399,24 @@ def test_paged_gpu_gluon_decode(name, monkeypatch):
     o_gluon, lse_gluon = run_case(case, torch.bfloat16, "flash")
     monkeypatch.setattr(ragged, "GLUON_DECODE", False)
     o_triton, lse_triton = run_case(case, torch.bfloat16, "flash")
+    assert (o_gluon.float() - o_triton.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GLUON_PREFILL)
+def test_paged_gpu_gluon_prefill(name, monkeypatch):
+    """The prefill and chunk items of these cases run ragged_prefill (Gluon), and with it off
+    ragged_fwd: both within the budget of float64, on poisoned outputs and NaN in every free slot."""
+    from kernels import ragged
+
+    nan_empty(monkeypatch)
+    case = {**CASES, **GPU_ONLY}[name]
+    q, kp, vp, *_ = make_cache(case, torch.bfloat16)
+    cfg = ragged.kernel_config("chunk", q.shape[-1], q.dtype, False, True)
+    assert ragged.gluon_prefill_refusal(q, kp, vp, True, cfg) is None
+    o_gluon, _ = run_case(case, torch.bfloat16, "flash")
+    monkeypatch.setattr(ragged, "GLUON_PREFILL", False)
+    o_triton, _ = run_case(case, torch.bfloat16, "flash")
     assert (o_gluon.float() - o_triton.float()).abs().max().item() < 2e-2
 
 

@@ -358,6 +358,94 @@ def test_paged_decode_kernel_compiles_for_hopper(dtype, d, page, causal, tmp_pat
     assert 2 * (int(shared) + 1024) <= 228 * 1024
 
 
+_RAGGED_PREFILL_COMPILE = """
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from kernels.jit import gluon_ragged as kr
+from kernels import hopper, ragged
+
+dtype, d, page, causal, masks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
+tdt = dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype]
+q = torch.empty(100, 8, d, dtype=tdt)
+if page:
+    k = torch.empty(4, page, 2, d, dtype=tdt)
+else:
+    k = torch.empty(100, 2, d, dtype=tdt)
+ragged.triton_interpret = lambda: False
+hopper._hopper = lambda device: True
+(descs, regs), why = ragged._gluon_prefill_check(q, k, k, bool(page), ragged.Config(128, 128, 8, 3), ragged.NO_MASKS)
+fn = kr.ragged_prefill
+sig = dict.fromkeys(fn.arg_names, "i32")
+sig.update(desc_q=mangle_type(descs[0]), desc_k=mangle_type(descs[1]), desc_v=mangle_type(descs[2]),
+           O="*" + dtype, LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", WORK="*i32", SEQ="*i32", BT="*i32",
+           qk_scale="fp32", cap="fp32")
+consts = {}
+for name, value in dict(PAGED=bool(page), PAGE=max(page, 1), IS_CAUSAL=causal, CONSUMER_REGS=regs, WINDOW=masks,
+                        SOFTCAP=masks).items():
+    sig[name] = "constexpr"
+    consts[(fn.arg_names.index(name),)] = value
+compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = compiled.asm["ptx"]
+print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg")))
+"""
+
+
+@pytest.mark.parametrize("dtype,d,page,causal,masks", [("bf16", 128, 0, True, False), ("fp16", 128, 64, False, False),
+                                                       ("bf16", 256, 0, True, True), ("bf16", 96, 256, True, True)])
+def test_ragged_prefill_kernel_compiles_for_hopper(dtype, d, page, causal, masks, tmp_path):
+    """ragged_prefill (Gluon) compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``, over
+    the descriptors the launch builds: varlen keys and pages (of 64: 64-key blocks), D 128 and 256
+    (96 pads to 128), with a window and softcap."""
+    argv = [dtype, str(d), str(page), str(int(causal)), str(int(masks))]
+    shared, has_ops = _compile_for_sm90(_RAGGED_PREFILL_COMPILE, argv, tmp_path)
+    assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
+    assert int(shared) <= 227 * 1024
+
+
+def test_ragged_prefill_rules(monkeypatch):
+    """ragged_prefill takes 16-bit prefill and chunk items planned in 128-row tiles at a head dim
+    attn_fwd_ws takes, varlen or in pages of a multiple of 64, windows and softcap but not ALiBi;
+    its key blocks are attn_fwd_ws's, or 64 keys where a page holds no more."""
+    from kernels import ragged
+    from kernels.masks import Masks
+
+    cfg = ragged.Config(128, 128, 8, 3)
+    q = torch.empty(300, 32, 128, dtype=torch.bfloat16)
+    k, v = (torch.empty(900, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    kp, vp = (torch.empty(10, 64, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    assert ragged.gluon_prefill_refusal(q, k, v, False, cfg) in ("not sm_90", "Triton's interpreter cannot run Gluon")
+    assert not ragged.gluon_plans(128, torch.bfloat16, torch.device("cpu"), False)
+    monkeypatch.setattr(hopper, "_hopper", lambda device: True)
+    monkeypatch.setattr(ragged, "triton_interpret", lambda: False)
+    assert ragged.gluon_prefill_refusal(q, k, v, False, cfg) is None
+    (descs, regs), _ = ragged.gluon_prefill_check(q, k, v, False, cfg)
+    assert [d.block_shape for d in descs] == [[1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 128, 128]]
+    assert descs[0].shape == [1, 32, 300, 128] and descs[1].shape == [1, 8, 900, 128]
+    (descs, _), _ = ragged.gluon_prefill_check(q, kp, vp, True, cfg)
+    assert descs[1].block_shape == [1, 1, 64, 128] and descs[1].shape == [10, 8, 64, 128]
+    assert ragged.gluon_prefill_refusal(q, kp, vp, True, cfg, Masks(left=16, right=0, softcap=5.0)) is None
+    assert "alibi" in ragged.gluon_prefill_refusal(q, k, v, False, cfg, Masks(alibi=torch.ones(1, 32)))
+    small = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16)
+    assert "page_tokens 16" in ragged.gluon_prefill_refusal(q, small, small, True, cfg)
+    assert "float16" in ragged.gluon_prefill_refusal(q.float(), k.float(), v.float(), False, cfg)
+    assert "head_dim 64" in ragged.gluon_prefill_refusal(q[..., :64], k[..., :64], v[..., :64], False, cfg)
+    assert "64 rows" in ragged.gluon_prefill_refusal(q, k, v, False, ragged.Config(64, 64, 4, 3))
+    assert "no keys" in ragged.gluon_prefill_refusal(q, k[:0], v[:0], False, cfg)
+    flat = torch.empty(k.numel() + 1, dtype=k.dtype)
+    assert "16-byte" in ragged.gluon_prefill_refusal(q, flat[1:].view(k.shape), v, False, cfg)
+    # the plan's tiles: 128 rows for prefill and chunk items where ragged_prefill may run
+    assert ragged.gluon_plans(128, torch.bfloat16, torch.device("cuda"), False)
+    assert not ragged.gluon_plans(64, torch.bfloat16, torch.device("cuda"), False)
+    assert ragged.kernel_config("chunk", 128, torch.bfloat16, False, True).block_m == 128
+    assert ragged.kernel_config("chunk", 128, torch.bfloat16, False).block_m == 64
+    monkeypatch.setattr(ragged, "GLUON_PREFILL", False)
+    assert "GLUON_PREFILL" in ragged.gluon_prefill_refusal(q, k, v, False, cfg)
+    assert not ragged.gluon_plans(128, torch.bfloat16, torch.device("cuda"), False)
+
+
 def test_paged_decode_rules(monkeypatch):
     """paged_decode takes paged 16-bit decode items at D 64 or 128 on Hopper, pages of a multiple of
     64 tokens that a descriptor takes, no score modifier; everything else stays on ragged_fwd."""

@@ -38,6 +38,10 @@ FP16 = ["gqa_prime_causal", "mqa_decode_split", "d256"]
 GPU_ONLY = {
     "long_q_1025": ([1025, 1], [1025, 4097], 8, 2, 128, True),      # 1025: one past a block boundary
     "many_lengths": ([1, 17, 97, 1025, 0, 64, 65], [1, 17, 97, 1025, 5, 4096, 65], 32, 8, 128, True),
+    # ragged_prefill (Gluon): a 40-row chunk split along its keys, D 96 padded to 128; D 192 (a box
+    # of 256, 64-key blocks) non-causal, two row tiles against 5000 keys beside a decode
+    "gluon_split_d96": ([40, 300, 2], [6000, 300, 2000], 16, 4, 96, True),
+    "gluon_d192_full": ([130, 1], [5000, 700], 8, 8, 192, False),
 }
 
 
@@ -196,3 +200,28 @@ def test_varlen_gpu_many_sequences_batch_invariant(dtype):
         start = sum(q_lens[:s])
         assert torch.equal(o[start:start + n], o1) and torch.equal(lse[:, start:start + n], l1), f"sequence {s}"
     check_sequences(o, lse, q, ks, vs, q_lens, causal=True, scale=d ** -0.5, against_attention=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gluon", [True, False])  # ragged_prefill (Gluon), then ragged_fwd
+def test_varlen_gpu_poisoned_neighbour(gluon, monkeypatch):
+    """A sequence whose q, k and v are NaN and inf harms no other: its neighbours' last key blocks
+    and row tiles reach into its rows, and their answers stay bit for bit their answers alone."""
+    from kernels import ragged
+
+    monkeypatch.setattr(ragged, "GLUON_PREFILL", gluon)
+    q_lens, k_lens, hq, hkv, d = [300, 200, 150], [700, 333, 901], 16, 4, 128
+    q, k, v, cu_q, cu_k = packed(q_lens, k_lens, hq, hkv, d, torch.bfloat16)
+    k[700:1033] = float("inf")
+    v[700:1033] = float("nan")
+    q[300:500] = float("nan")
+    if gluon:
+        cfg = ragged.kernel_config("prefill", d, q.dtype, False, True)
+        assert ragged.gluon_prefill_refusal(q, k, v, False, cfg) is None
+    o, lse = attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    qs, ks, vs = split_rows(q, q_lens), split_rows(k, k_lens), split_rows(v, k_lens)
+    for s, (a, b) in ((0, (0, 300)), (2, (500, 650))):
+        o1, l1 = attention_varlen(qs[s].clone(), ks[s].clone(), vs[s].clone(), cu_of([q_lens[s]]),
+                                  cu_of([k_lens[s]]), causal=True, return_lse=True)
+        assert torch.isfinite(o1).all()
+        assert torch.equal(o[a:b], o1) and torch.equal(lse[:, a:b], l1), f"sequence {s}"
