@@ -40,6 +40,7 @@ GLUON_TILES: dict[int, tuple[int, bool, int]] = {128: (128, False, 232), 256: (6
 GLUON_MIN_D = 72  # from D 64 down, attn_fwd_tma (D 64) and attn_fwd are as fast
 _GLUON_BLOCK_N = GLUON_TILES[128][0]
 _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 # attn_decode: keys per block, by D, and blocks in flight per program
 DECODE_BLOCK_N = {64: 128, 128: 64}
 DECODE_STAGES = 2
@@ -210,6 +211,15 @@ def _descriptor(t: torch.Tensor, rows: int, box_d: int | None = None) -> TensorD
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides = t, list(t.shape), strides
     desc.block_shape, desc.layout, desc.padding = [1, 1, rows, box_d or t.shape[-1]], _BOX_LAYOUT, "zero"
+    return desc
+
+
+def _descriptor_2d(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A host TMA descriptor over a 2-D t (rows contiguous) in boxes of (rows, cols), built as
+    ``_descriptor``'s."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
+    desc.block_shape, desc.layout, desc.padding = [rows, cols], _ROW_LAYOUT, "zero"
     return desc
 
 

@@ -55,7 +55,8 @@ SPLIT_KEY_QUANTUM = 256   # split boundaries are multiples of this many keys (a 
 MAX_SPLITS = 64
 SPLIT_WAVES = 1           # a short sequence is split into about this many waves of programs over the SMs
 GLUON_DECODE = True       # paged decode items on Hopper run paged_decode (Gluon) where it takes them
-GLUON_DECODE_BLOCK_N = 64  # paged_decode's keys a block: page_tokens must be a multiple
+GLUON_DECODE_BLOCK_N = 64  # paged_decode's keys a block: page_tokens a multiple, or a divisor of at least
+GLUON_DECODE_MIN_PAGE = 16  # ... this many tokens (a block is then one TMA copy per page)
 GLUON_DECODE_STAGES = 2   # paged_decode's K/V blocks in flight per program, as attn_decode's
 GLUON_PREFILL = True      # prefill and chunk items on Hopper run ragged_prefill (Gluon) where it takes them
 GLUON_ROWS = 128          # ragged_prefill's query rows a tile: the plan's prefill and chunk BLOCK_M under it
@@ -450,19 +451,20 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
             args = (q, *descs, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, *q.stride(), *o.stride(),
                     *lse.stride(), hq, hq // hkv, scale * jit.LOG2E)
             launch(paged_decode, (work.shape[0], hkv, 1), args,
-                   dict(PAGE=page, ROW_TILE=cfg.block_m, IS_CAUSAL=bool(causal), STAGES=GLUON_DECODE_STAGES),
+                   dict(PAGE=page, ROW_TILE=cfg.block_m, IS_CAUSAL=bool(causal), STAGES=GLUON_DECODE_STAGES,
+                        BLOCK_N=GLUON_DECODE_BLOCK_N),
                    num_warps=4)
             continue
         prefill = None if decode else gluon_prefill_check(q, k, v, paged, cfg, masks)
         if prefill is not None and prefill[0] is not None:
             from .jit.gluon_ragged import ragged_prefill
 
-            descs, regs = prefill[0]
+            descs, regs, block_n = prefill[0]
             args = (*descs, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, o.stride(0), o.stride(1),
                     *lse.stride(), hq, hq // hkv, d, scale * jit.LOG2E, *masks.kernel_args())
             launch(ragged_prefill, (work.shape[0], hq, 1), args,
-                   dict(PAGED=paged, PAGE=page, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs, WINDOW=masks.window,
-                        SOFTCAP=masks.softcap > 0), num_warps=4)
+                   dict(PAGED=paged, PAGE=page, BLOCK_N=block_n, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
+                        WINDOW=masks.window, SOFTCAP=masks.softcap > 0), num_warps=4)
             continue
         args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, slopes, *bt_strides, stride_as, stride_ah,
                 *q.stride(), *kst, *vst, *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E,
@@ -483,7 +485,8 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
 def gluon_decode_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool, cfg: Config,
                          masks: Masks = NO_MASKS) -> str | None:
     """Why ``paged_decode`` (Gluon, ``jit/gluon_paged.py``) does not run a call's decode items, or
-    None when it does: paged keys whose page_tokens is a multiple of ``GLUON_DECODE_BLOCK_N``, 16-bit
+    None when it does: paged keys whose page_tokens is a multiple of ``GLUON_DECODE_BLOCK_N`` or a
+    divisor of it from ``GLUON_DECODE_MIN_PAGE`` (then the pages contiguous), 16-bit
     q, k, v at D 64 or 128, no score modifier, a Hopper GPU, pages a host TMA descriptor takes."""
     return _gluon_decode_check(q, k, v, paged, cfg, masks)[1]
 
@@ -510,16 +513,24 @@ def _gluon_decode_check(q, k, v, paged: bool, cfg: Config, masks: Masks) -> tupl
     d, page = q.shape[-1], k.shape[1]
     if d not in (64, 128):
         return None, "head_dim is not 64 or 128"
-    if page % GLUON_DECODE_BLOCK_N:
-        return None, f"page_tokens {page} is not a multiple of {GLUON_DECODE_BLOCK_N}"
+    small = page < GLUON_DECODE_BLOCK_N
+    if page % GLUON_DECODE_BLOCK_N and (GLUON_DECODE_BLOCK_N % page or page < GLUON_DECODE_MIN_PAGE):
+        return None, (f"page_tokens {page} is neither a multiple of {GLUON_DECODE_BLOCK_N} nor one of its "
+                      f"divisors from {GLUON_DECODE_MIN_PAGE}")
     if cfg.block_m > 64:
         return None, "more than 64 rows a tile"
     if triton_interpret():
         return None, "Triton's interpreter cannot run Gluon"
     if not hopper._hopper(q.device):
         return None, "not sm_90"
-    # pages (P, page, Hkv, D) seen as (P, Hkv, page, D): a block is one (1, 1, BLOCK_N, D) box
-    descs = tuple(hopper._descriptor(t.permute(0, 2, 1, 3), GLUON_DECODE_BLOCK_N) for t in (k, v))
+    if small:
+        # pages (P, page, Hkv, D) seen as (P·page, Hkv·D): a block is 64 / page boxes (page, D)
+        if not (k.is_contiguous() and v.is_contiguous()):
+            return None, "pages smaller than a block must be contiguous"
+        descs = tuple(hopper._descriptor_2d(t.view(-1, k.shape[2] * d), page, d) for t in (k, v))
+    else:
+        # pages (P, page, Hkv, D) seen as (P, Hkv, page, D): a block is one (1, 1, BLOCK_N, D) box
+        descs = tuple(hopper._descriptor(t.permute(0, 2, 1, 3), GLUON_DECODE_BLOCK_N) for t in (k, v))
     for name, desc in zip("kv", descs, strict=True):
         *outer, last = desc.strides
         if last != 1 or desc.base.data_ptr() % 16 or any(st % 8 or st == 0 for st in outer):
@@ -531,13 +542,14 @@ def gluon_prefill_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pag
                           masks: Masks = NO_MASKS) -> str | None:
     """Why ``ragged_prefill`` (Gluon, ``jit/gluon_ragged.py``) does not run a call's prefill or
     chunk items, or None when it does: 16-bit q, k, v at a head dim ``hopper.gluon_box`` takes,
-    items planned in its 128-row tiles (``gluon_plans``), no ALiBi, page_tokens a multiple of 64,
-    a Hopper GPU, tensors host TMA descriptors take."""
+    items planned in its 128-row tiles (``gluon_plans``), no ALiBi, a Hopper GPU, tensors host TMA
+    descriptors take; pages a multiple of the key block, or of 64 keys (then 64-key blocks), or
+    contiguous pages of 16 to 64 at the box's own head dim (a TMA copy per page)."""
     return _gluon_prefill_check(q, k, v, paged, cfg, masks)[1]
 
 
 def gluon_prefill_check(q, k, v, paged: bool, cfg: Config, masks: Masks = NO_MASKS) -> tuple:
-    """(((q, k, v descriptors), consumer registers) or None, why not): ``gluon_prefill_refusal``'s
+    """(((q, k, v descriptors), consumer registers, keys a block) or None, why not): ``gluon_prefill_refusal``'s
     rule, the choice logged once per combination."""
     got = _gluon_prefill_check(q, k, v, paged, cfg, masks)
     _tell_prefill("ragged_prefill (Gluon)" if got[1] is None else "ragged_fwd", got[1], str(q.dtype), q.shape[-1],
@@ -567,22 +579,29 @@ def _gluon_prefill_check(q, k, v, paged: bool, cfg: Config, masks: Masks) -> tup
     if not hopper._hopper(q.device):
         return None, "not sm_90"
     block_n, _, regs = hopper.GLUON_TILES[box]
-    if paged:
-        page = k.shape[1]
-        if page % block_n:
-            block_n = GLUON_DECODE_BLOCK_N  # a page of 64 still holds whole 64-key blocks
-        if page % block_n:
-            return None, f"page_tokens {page} is not a multiple of {GLUON_DECODE_BLOCK_N}"
-        kv = [t.permute(0, 2, 1, 3) for t in (k, v)]  # (P, Hkv, page, D)
+    page = k.shape[1] if paged else 0
+    if paged and page % block_n:
+        # pages smaller than a block: a box (page, D) per page of the (P·page, Hkv·D) view, which
+        # has no room for a padded head dim
+        per_page = (block_n % page == 0 and page >= GLUON_DECODE_MIN_PAGE and d == box and k.is_contiguous()
+                    and v.is_contiguous())
+        if not per_page:
+            if page % GLUON_DECODE_BLOCK_N:
+                return None, (f"page_tokens {page} is not a multiple of {GLUON_DECODE_BLOCK_N}, nor a divisor of "
+                              f"{block_n} from {GLUON_DECODE_MIN_PAGE} (contiguous pages, head_dim {box})")
+            block_n = GLUON_DECODE_BLOCK_N  # whole 64-key blocks in each page
+    if paged and page < block_n:
+        kv_descs = [hopper._descriptor_2d(t.view(-1, k.shape[2] * d), page, d) for t in (k, v)]
     else:
-        kv = [t.permute(1, 0, 2).unsqueeze(0) for t in (k, v)]  # (1, Hkv, Tk, D)
-    descs = (hopper._descriptor(q.permute(1, 0, 2).unsqueeze(0), GLUON_ROWS // 2, box),
-             *(hopper._descriptor(t, block_n, box) for t in kv))
+        # (P, Hkv, page, D), or varlen (1, Hkv, Tk, D)
+        kv = [t.permute(0, 2, 1, 3) if paged else t.permute(1, 0, 2).unsqueeze(0) for t in (k, v)]
+        kv_descs = [hopper._descriptor(t, block_n, box) for t in kv]
+    descs = (hopper._descriptor(q.permute(1, 0, 2).unsqueeze(0), GLUON_ROWS // 2, box), *kv_descs)
     for name, desc in zip("qkv", descs, strict=True):
         *outer, last = desc.strides
         if last != 1 or desc.base.data_ptr() % 16 or any(st % 8 or st == 0 for st in outer):
             return None, f"{name}: not 16-byte aligned, or a stride TMA cannot say"
-    return (descs, regs), None
+    return (descs, regs, block_n), None
 
 
 @functools.cache

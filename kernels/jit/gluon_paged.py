@@ -6,10 +6,12 @@ runs (``ragged.gluon_decode_refusal``), builds the descriptors and launches it a
 A program is one work item of the decode class, (sequence, row tile, key split), for one kv head:
 its rows are a tile of the GQA group × n_q query rows, padded to a wgmma's 64. The pages
 [P, page_tokens, Hkv, D] are seen as [P, Hkv, page_tokens, D] (a view), so a key block is one TMA
-box (1, 1, BLOCK_N, D) at (page, kv head, row in page, 0): page_tokens must be a multiple of
-BLOCK_N. The pipeline is ``jit/gluon_decode.py``'s: one thread asks for K and V blocks ``STAGES``
-ahead and refills a stage as soon as its GEMM is done; the page of a block is read from the block
-table one iteration before its load is issued, so the table's latency hides behind a block's work.
+box (1, 1, BLOCK_N, D) at (page, kv head, row in page, 0) where page_tokens is a multiple of
+BLOCK_N. Pages smaller than a block (16, 32) are seen as [P · page_tokens, Hkv · D], and a block
+is BLOCK_N / page_tokens boxes (page_tokens, D), each copied into its rows of the block's shared
+memory. The pipeline is ``jit/gluon_decode.py``'s: one thread asks for K and V blocks ``STAGES``
+ahead and refills a stage as soon as its GEMM is done; the page (or pages) of a block is read from
+the block table one iteration before its load is issued, so the table's latency hides behind a block's work.
 
 The plan is ``ragged_fwd``'s (same items, same split boundaries), and so are the outputs: an
 unsplit item writes o in q's dtype and lse; a split writes its normalised float32 o and its lse
@@ -25,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -33,15 +36,39 @@ from .gluon_decode import ROWS, _load, _softmax_block
 
 
 @gluon.jit
-def _page(bt_row, stride_btc, key, PAGE: gl.constexpr, pred):
-    """The page holding key ``key`` (0 where ``pred`` is false: that block is never loaded)."""
-    return gl.load(bt_row + (key // PAGE) * stride_btc, mask=pred, other=0)
+def _page(bt_row, stride_btc, key, end, PAGE: gl.constexpr, SUB: gl.constexpr, pred):
+    """The page holding key ``key`` (0 where ``pred`` is false: that block is never loaded); SUB > 1
+    (pages smaller than a block): the SUB pages of keys key, key + PAGE, ..., as a tensor, 0 for
+    those at or past ``end`` (their table entries may be past the row's end)."""
+    if SUB == 1:
+        return gl.load(bt_row + (key // PAGE) * stride_btc, mask=pred, other=0)
+    else:
+        # every thread holds all SUB ids, so picking one out (``_load_block``) stays in its registers
+        i = gl.arange(0, SUB, layout=gl.BlockedLayout([SUB], [32], [4], [0]))
+        return gl.load(bt_row + (key // PAGE + i) * stride_btc, mask=pred & (key + i * PAGE < end), other=0)
+
+
+@gluon.jit
+def _load_block(desc, smem, bar, page, kvh, key, PAGE: gl.constexpr, SUB: gl.constexpr, pred):
+    """Key block [key, key + BLOCK_N) of kv head kvh into smem (``_page``'s page or pages): one box
+    of the (P, Hkv, PAGE, D) view, or SUB boxes (PAGE, D) of the (P·PAGE, Hkv·D) view, each into its
+    rows of the block; bar counts their bytes."""
+    if SUB == 1:
+        _load(desc, smem, bar, page, kvh, key % PAGE, pred)
+    else:
+        D: gl.constexpr = desc.block_type.shape[1]
+        mbarrier.expect(bar, desc.block_type.nbytes * SUB, pred=pred)
+        idx = gl.arange(0, SUB, layout=page.type.layout)
+        for i in gl.static_range(SUB):
+            p = gl.sum(gl.where(idx == i, page, 0), axis=0)
+            tma.async_copy_global_to_shared(desc, [p * PAGE, kvh * D], bar, smem.slice(i * PAGE, PAGE), pred=pred)
 
 
 @gluon.jit
 def paged_decode(
     Q,                           # q (Tq, Hq, D), any strides
-    desc_k, desc_v,              # TMA descriptors over the pages seen as (P, Hkv, PAGE, D), boxes (1, 1, BLOCK_N, D)
+    desc_k, desc_v,              # TMA descriptors over the pages seen as (P, Hkv, PAGE, D), boxes (1, 1, BLOCK_N, D);
+                                 # pages smaller than BLOCK_N: as (P·PAGE, Hkv·D), boxes (PAGE, D)
     O,                           # out: o (Tq, Hq, D), any strides
     LSE,                         # out: lse (Hq, Tq) fp32, any strides
     O_PART,                      # out: split partials (R, Hq, D) fp32 contiguous
@@ -55,14 +82,15 @@ def paged_decode(
     stride_lh, stride_lt,
     H_Q, GROUP,
     qk_scale,                    # scale · log2(e)
-    PAGE: gl.constexpr,          # page_tokens, a multiple of BLOCK_N
+    PAGE: gl.constexpr,          # page_tokens: a multiple of BLOCK_N, or a divisor
     ROW_TILE: gl.constexpr,      # the plan's rows a tile (the decode class's BLOCK_M), <= 64
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + n_k - n_q
     STAGES: gl.constexpr,        # K/V blocks in flight per program
+    BLOCK_N: gl.constexpr,       # keys a block
 ):
     """Grid (work items, Hkv), 4 warps."""
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
-    D: gl.constexpr = desc_k.block_type.shape[3]
+    SUB: gl.constexpr = BLOCK_N // PAGE if PAGE < BLOCK_N else 1  # pages a block
+    D: gl.constexpr = desc_k.block_type.shape[-1]
     dtype: gl.constexpr = desc_k.block_type.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -96,10 +124,10 @@ def paged_decode(
     gl.thread_barrier()
     for i in gl.static_range(STAGES):  # the first blocks go out before Q is even read
         key = k0 + i * BLOCK_N
-        page = _page(bt_row, stride_btc, key, PAGE, i < n_blocks)
-        _load(desc_k, k_smem.index(i), k_ready.index(i), page, kvh, key % PAGE, i < n_blocks)
-        _load(desc_v, v_smem.index(i), v_ready.index(i), page, kvh, key % PAGE, i < n_blocks)
-    nxt = _page(bt_row, stride_btc, k0 + STAGES * BLOCK_N, PAGE, STAGES < n_blocks)
+        page = _page(bt_row, stride_btc, key, k1, PAGE, SUB, i < n_blocks)
+        _load_block(desc_k, k_smem.index(i), k_ready.index(i), page, kvh, key, PAGE, SUB, i < n_blocks)
+        _load_block(desc_v, v_smem.index(i), v_ready.index(i), page, kvh, key, PAGE, SUB, i < n_blocks)
+    nxt = _page(bt_row, stride_btc, k0 + STAGES * BLOCK_N, k1, PAGE, SUB, STAGES < n_blocks)
 
     # Q: tile row r is row tile·ROW_TILE + r of the group × n_q rows: query (that % n_q) of head
     # kvh·GROUP + that // n_q; rows past the tile or the group are zeros
@@ -126,12 +154,12 @@ def paged_decode(
         refill = j + STAGES < n_blocks
         key = start + STAGES * BLOCK_N
         page = nxt
-        nxt = _page(bt_row, stride_btc, key + BLOCK_N, PAGE, j + STAGES + 1 < n_blocks)
+        nxt = _page(bt_row, stride_btc, key + BLOCK_N, k1, PAGE, SUB, j + STAGES + 1 < n_blocks)
         mbarrier.wait(k_ready.index(st), phase)
         s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         gl.thread_barrier()  # every warp is done reading K_j: its stage takes K_{j+STAGES}
-        _load(desc_k, k_smem.index(st), k_ready.index(st), page, kvh, key % PAGE, refill)
+        _load_block(desc_k, k_smem.index(st), k_ready.index(st), page, kvh, key, PAGE, SUB, refill)
         p, m_i, l_i, acc = _softmax_block(s * qk_scale, m_i, l_i, acc, start, n_k, n_k - n_q, diag, s_layout,
                                           o_layout, IS_CAUSAL)
         mbarrier.wait(v_ready.index(st), phase)
@@ -145,7 +173,7 @@ def paged_decode(
         acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         gl.thread_barrier()
-        _load(desc_v, v_smem.index(st), v_ready.index(st), page, kvh, key % PAGE, refill)
+        _load_block(desc_v, v_smem.index(st), v_ready.index(st), page, kvh, key, PAGE, SUB, refill)
 
     # a row that saw no key (n_k 0, causal rows above the split's first key) -> 0, -inf
     seen = l_i != 0.0

@@ -13,7 +13,9 @@ its key blocks by TMA:
   rows past the sequence are another sequence's (their answers are not stored) or zeros past Tq;
 - varlen k, v (Tk, Hkv, D) as (1, Hkv, Tk, D), block j at (0, kv head, k start + key, 0);
 - pages (P, page_tokens, Hkv, D) as (P, Hkv, page_tokens, D), block j at (page, kv head, row in
-  page, 0), the page read from the block table: page_tokens must be a multiple of BLOCK_N.
+  page, 0), the page read from the block table, where page_tokens is a multiple of BLOCK_N;
+  smaller pages (16 to 64, contiguous, D the box's) as (P · page_tokens, Hkv · D), a box per page
+  copied into its rows of the block, so that pages of 64 still stream 128-key blocks at D 128.
 
 Keys past the item's end (another sequence's, the next split's, page slots never written) are
 masked out of S and, in the one block that has them, zeroed in V before P V. O and lse leave by
@@ -83,20 +85,37 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_
         stage = i % 2
         reuse = i >= 2
         key = first + i * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
+        _load_block(desc_k, k_smem.index(stage), k_ready.index(stage), bt_row, stride_btc, k_start, key, k1, kvh,
+                    PAGED, PAGE)
+        mbarrier.wait(v_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
+        _load_block(desc_v, v_smem.index(stage), v_ready.index(stage), bt_row, stride_btc, k_start, key, k1, kvh,
+                    PAGED, PAGE)
+
+
+@gluon.jit
+def _load_block(desc, smem, bar, bt_row, stride_btc, k_start, key, end, kvh, PAGED: gl.constexpr,
+                PAGE: gl.constexpr):
+    """Key block [key, key + BLOCK_N) of kv head kvh into smem, bar counting its bytes: one box of
+    the (1, Hkv, Tk, D) or (P, Hkv, PAGE, D) view, or, pages smaller than the block, one box
+    (PAGE, D) of the (P·PAGE, Hkv·D) view per page, each into its rows of the block (the table's
+    entries at or past ``end`` are not read: they may lie past the row's end)."""
+    BLOCK_N: gl.constexpr = smem.shape[0]
+    if PAGED and PAGE < BLOCK_N:
+        D: gl.constexpr = desc.block_type.shape[1]
+        mbarrier.expect(bar, desc.block_type.nbytes * (BLOCK_N // PAGE))
+        for j in gl.static_range(BLOCK_N // PAGE):
+            page = gl.load(bt_row + (key // PAGE + j) * stride_btc, mask=key + j * PAGE < end, other=0)
+            tma.async_copy_global_to_shared(desc, [page * PAGE, kvh * D], bar, smem.slice(j * PAGE, PAGE))
+    else:
         if PAGED:
             page = gl.load(bt_row + (key // PAGE) * stride_btc)
             row = key % PAGE
         else:
             page = 0
             row = k_start + key
-        mbarrier.wait(k_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
-        mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [page, kvh, row, 0], k_ready.index(stage),
-                                        _box(k_smem.index(stage), desc_k))
-        mbarrier.wait(v_empty.index(stage), phase=((i // 2) - 1) & 1, pred=reuse)
-        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_v, [page, kvh, row, 0], v_ready.index(stage),
-                                        _box(v_smem.index(stage), desc_v))
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [page, kvh, row, 0], bar, _box(smem, desc))
 
 
 @gluon.jit
@@ -142,7 +161,8 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
 @gluon.jit
 def ragged_prefill(
     desc_q,                      # TMA descriptors over q seen as (1, Hq, Tq, D), boxes (1, 1, 64, box D),
-    desc_k, desc_v,              # k, v as (1, Hkv, Tk, D) or pages as (P, Hkv, PAGE, D), boxes (1, 1, BLOCK_N, box D)
+    desc_k, desc_v,              # k, v as (1, Hkv, Tk, D) or pages as (P, Hkv, PAGE, D), boxes (1, 1, BLOCK_N, box D);
+                                 # pages smaller than BLOCK_N as (P·PAGE, Hkv·D), boxes (PAGE, D)
     O,                           # out: o (Tq, Hq, D_HEAD), last dim contiguous
     LSE,                         # out: lse (Hq, Tq) fp32, any strides
     O_PART,                      # out: split partials (R, Hq, D_HEAD) fp32 contiguous
@@ -159,7 +179,8 @@ def ragged_prefill(
     win_left, win_right,         # window sides in keys; unused unless WINDOW
     cap,                         # softcap · log2(e); unused unless SOFTCAP
     PAGED: gl.constexpr,
-    PAGE: gl.constexpr,          # page_tokens, a multiple of BLOCK_N (PAGED)
+    PAGE: gl.constexpr,          # page_tokens (PAGED): a multiple of BLOCK_N, or a divisor
+    BLOCK_N: gl.constexpr,       # keys a block
     IS_CAUSAL: gl.constexpr,     # bottom-right within each sequence: query i sees keys <= i + n_k - n_q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
     WINDOW: gl.constexpr = False,
@@ -167,7 +188,6 @@ def ragged_prefill(
 ):
     """Grid (work items, Hq), 4 warps (+ 4 + 1 in the partitions); the plan's row tiles are 128 rows."""
     ROWS: gl.constexpr = desc_q.block_type.shape[2]
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.block_type.element_ty
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)

@@ -55,9 +55,14 @@ GPU_ONLY = {
     "gluon_prefill_p64": ([300, 64, 1, 130], [5000, 64, 1000, 129], 64, 32, 8, 128, True, 0),
     "gluon_split_d96": ([40, 200], [6000, 2000], 128, 16, 4, 96, True, 0),
     "gluon_d256_full": ([150, 70], [700, 3000], 64, 8, 8, 256, False, 0),
+    # pages smaller than a block, a TMA copy per page: decode items split over pages of 16, keys
+    # fewer than one page, a prefill of 128-key blocks of 8 pages; pages of 32 at D 64
+    "gluon_page16": ([1, 4, 1, 300], [8193, 77, 15, 2000], 16, 32, 8, 128, True, 0),
+    "gluon_page32_d64": ([2, 1, 70], [1000, 33, 200], 32, 16, 4, 64, False, 0),
 }
-GLUON = ["gluon_rows", "gluon_d64", "gluon_q_only", "long_64k"]
-GLUON_PREFILL = ["gluon_prefill_p64", "gluon_split_d96", "gluon_d256_full", "page256_chunk", "page64_chunk"]
+GLUON = ["gluon_rows", "gluon_d64", "gluon_q_only", "long_64k", "gluon_page16", "gluon_page32_d64"]
+GLUON_PREFILL = ["gluon_prefill_p64", "gluon_split_d96", "gluon_d256_full", "page256_chunk", "page64_chunk",
+                 "gluon_page16"]
 
 
 def make_cache(case, dtype, seed=0, device=DEV):

@@ -332,29 +332,37 @@ from kernels import hopper, ragged
 
 dtype, d, page, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 fn = kp.paged_decode
-pages = torch.empty(4, page, 2, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
-desc = mangle_type(hopper._descriptor(pages.permute(0, 2, 1, 3), ragged.GLUON_DECODE_BLOCK_N))  # the launch's own
+tdt = dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype]
+pages = torch.empty(4, page, 2, d, dtype=tdt)
+ragged.triton_interpret = lambda: False
+hopper._hopper = lambda device: True
+descs, why = ragged._gluon_decode_check(torch.empty(3, 8, d, dtype=tdt), pages, pages, True,
+                                        ragged.Config(16, 64, 2, 3), ragged.NO_MASKS)  # the launch's own
 sig = dict.fromkeys(fn.arg_names, "i32")
-sig.update(desc_k=desc, desc_v=desc, Q="*" + dtype, O="*" + dtype, LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
-           WORK="*i32", SEQ="*i32", BT="*i32", qk_scale="fp32")
+sig.update(desc_k=mangle_type(descs[0]), desc_v=mangle_type(descs[1]), Q="*" + dtype, O="*" + dtype, LSE="*fp32",
+           O_PART="*fp32", LSE_PART="*fp32", WORK="*i32", SEQ="*i32", BT="*i32", qk_scale="fp32")
 consts = {}
-for name, value in dict(PAGE=page, ROW_TILE=16, IS_CAUSAL=causal, STAGES=ragged.GLUON_DECODE_STAGES).items():
+for name, value in dict(PAGE=page, ROW_TILE=16, IS_CAUSAL=causal, STAGES=ragged.GLUON_DECODE_STAGES,
+                        BLOCK_N=ragged.GLUON_DECODE_BLOCK_N).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 ptx = compiled.asm["ptx"]
-print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor.4d")))
+rank = "2d" if page < ragged.GLUON_DECODE_BLOCK_N else "4d"
+print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", f"cp.async.bulk.tensor.{rank}")))
 """
 
 
 @pytest.mark.parametrize("dtype,d,page,causal", [("bf16", 128, 64, True), ("fp16", 64, 128, False),
-                                                 ("bf16", 128, 256, False)])
+                                                 ("bf16", 128, 256, False), ("bf16", 128, 16, True),
+                                                 ("fp16", 64, 32, False)])
 def test_paged_decode_kernel_compiles_for_hopper(dtype, d, page, causal, tmp_path):
-    """paged_decode (Gluon) compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``; two
-    programs must fit an SM, as attn_decode's."""
+    """paged_decode (Gluon) compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``, over the
+    descriptors the launch builds (pages of 16 and 32: a TMA copy per page); two programs must fit
+    an SM, as attn_decode's."""
     shared, has_ops = _compile_for_sm90(_PAGED_DECODE_COMPILE, [dtype, str(d), str(page), str(int(causal))], tmp_path)
-    assert has_ops == "True", "expected wgmma and 4-D TMA copies in the PTX"
+    assert has_ops == "True", "expected wgmma and TMA copies of the descriptors' rank in the PTX"
     assert 2 * (int(shared) + 1024) <= 228 * 1024
 
 
@@ -375,30 +383,34 @@ else:
     k = torch.empty(100, 2, d, dtype=tdt)
 ragged.triton_interpret = lambda: False
 hopper._hopper = lambda device: True
-(descs, regs), why = ragged._gluon_prefill_check(q, k, k, bool(page), ragged.Config(128, 128, 8, 3), ragged.NO_MASKS)
+(descs, regs, block_n), why = ragged._gluon_prefill_check(q, k, k, bool(page), ragged.Config(128, 128, 8, 3),
+                                                          ragged.NO_MASKS)
 fn = kr.ragged_prefill
 sig = dict.fromkeys(fn.arg_names, "i32")
 sig.update(desc_q=mangle_type(descs[0]), desc_k=mangle_type(descs[1]), desc_v=mangle_type(descs[2]),
            O="*" + dtype, LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", WORK="*i32", SEQ="*i32", BT="*i32",
            qk_scale="fp32", cap="fp32")
 consts = {}
-for name, value in dict(PAGED=bool(page), PAGE=max(page, 1), IS_CAUSAL=causal, CONSUMER_REGS=regs, WINDOW=masks,
-                        SOFTCAP=masks).items():
+for name, value in dict(PAGED=bool(page), PAGE=max(page, 1), BLOCK_N=block_n, IS_CAUSAL=causal, CONSUMER_REGS=regs,
+                        WINDOW=masks, SOFTCAP=masks).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 ptx = compiled.asm["ptx"]
-print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg")))
+rank = "2d" if 0 < page < block_n else "4d"
+ops = ("wgmma.mma_async", f"cp.async.bulk.tensor.{rank}", "setmaxnreg")
+print(compiled.metadata.shared, all(op in ptx for op in ops))
 """
 
 
 @pytest.mark.parametrize("dtype,d,page,causal,masks", [("bf16", 128, 0, True, False), ("fp16", 128, 64, False, False),
-                                                       ("bf16", 256, 0, True, True), ("bf16", 96, 256, True, True)])
+                                                       ("bf16", 256, 0, True, True), ("bf16", 96, 256, True, True),
+                                                       ("bf16", 96, 64, True, False), ("fp16", 128, 16, True, False)])
 def test_ragged_prefill_kernel_compiles_for_hopper(dtype, d, page, causal, masks, tmp_path):
     """ragged_prefill (Gluon) compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``, over
-    the descriptors the launch builds: varlen keys and pages (of 64: 64-key blocks), D 128 and 256
-    (96 pads to 128), with a window and softcap."""
+    the descriptors the launch builds: varlen keys and pages (of 64 and 16 at D 128: a TMA copy per
+    page; of 64 at D 96: 64-key blocks), D 128 and 256 (96 pads to 128), with a window and softcap."""
     argv = [dtype, str(d), str(page), str(int(causal)), str(int(masks))]
     shared, has_ops = _compile_for_sm90(_RAGGED_PREFILL_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
@@ -421,15 +433,24 @@ def test_ragged_prefill_rules(monkeypatch):
     monkeypatch.setattr(hopper, "_hopper", lambda device: True)
     monkeypatch.setattr(ragged, "triton_interpret", lambda: False)
     assert ragged.gluon_prefill_refusal(q, k, v, False, cfg) is None
-    (descs, regs), _ = ragged.gluon_prefill_check(q, k, v, False, cfg)
+    (descs, regs, block_n), _ = ragged.gluon_prefill_check(q, k, v, False, cfg)
     assert [d.block_shape for d in descs] == [[1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 128, 128]]
-    assert descs[0].shape == [1, 32, 300, 128] and descs[1].shape == [1, 8, 900, 128]
-    (descs, _), _ = ragged.gluon_prefill_check(q, kp, vp, True, cfg)
-    assert descs[1].block_shape == [1, 1, 64, 128] and descs[1].shape == [10, 8, 64, 128]
+    assert descs[0].shape == [1, 32, 300, 128] and descs[1].shape == [1, 8, 900, 128] and block_n == 128
+    # pages of 64 at D 128: a (64, D) box per page of the (P·64, Hkv·D) view, 128-key blocks
+    (descs, _, block_n), _ = ragged.gluon_prefill_check(q, kp, vp, True, cfg)
+    assert descs[1].block_shape == [64, 128] and descs[1].shape == [640, 1024] and block_n == 128
+    # ... at D 96 (padded to a box of 128), or not contiguous: 64-key blocks, one box each
+    (descs, _, block_n), _ = ragged.gluon_prefill_check(q[..., :96], kp[..., :96], vp[..., :96], True, cfg)
+    assert descs[1].block_shape == [1, 1, 64, 128] and block_n == 64
+    strided = kp.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    assert ragged.gluon_prefill_check(q, strided, vp, True, cfg)[0][2] == 64
     assert ragged.gluon_prefill_refusal(q, kp, vp, True, cfg, Masks(left=16, right=0, softcap=5.0)) is None
     assert "alibi" in ragged.gluon_prefill_refusal(q, k, v, False, cfg, Masks(alibi=torch.ones(1, 32)))
     small = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16)
-    assert "page_tokens 16" in ragged.gluon_prefill_refusal(q, small, small, True, cfg)
+    assert ragged.gluon_prefill_check(q, small, small, True, cfg)[0][0][1].block_shape == [16, 128]
+    assert "page_tokens 16" in ragged.gluon_prefill_refusal(q[..., :96], small[..., :96], small[..., :96], True, cfg)
+    assert "page_tokens 48" in ragged.gluon_prefill_refusal(q, small[:, :12].repeat(1, 4, 1, 1),
+                                                            small[:, :12].repeat(1, 4, 1, 1), True, cfg)
     assert "float16" in ragged.gluon_prefill_refusal(q.float(), k.float(), v.float(), False, cfg)
     assert "head_dim 64" in ragged.gluon_prefill_refusal(q[..., :64], k[..., :64], v[..., :64], False, cfg)
     assert "64 rows" in ragged.gluon_prefill_refusal(q, k, v, False, ragged.Config(64, 64, 4, 3))
@@ -464,7 +485,14 @@ def test_paged_decode_rules(monkeypatch):
     assert ragged.gluon_decode_refusal(q[..., :64].half(), wide, wide, True, cfg) is None
     assert "no pages" in ragged.gluon_decode_refusal(q, kp[0], vp[0], False, cfg)
     small = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16)
-    assert "page_tokens 16" in ragged.gluon_decode_refusal(q, small, small, True, cfg)
+    assert ragged.gluon_decode_refusal(q, small, small, True, cfg) is None  # a TMA copy per page
+    assert ragged.gluon_decode_descriptors(q, small, small, True, cfg)[0].block_shape == [16, 128]
+    strided = small.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # (P, page, Hkv, D) stored head-major
+    assert "contiguous" in ragged.gluon_decode_refusal(q, small, strided, True, cfg)
+    tiny = torch.empty(40, 8, 8, 128, dtype=torch.bfloat16)
+    assert "page_tokens 8" in ragged.gluon_decode_refusal(q, tiny, tiny, True, cfg)
+    odd_page = torch.empty(40, 48, 8, 128, dtype=torch.bfloat16)
+    assert "page_tokens 48" in ragged.gluon_decode_refusal(q, odd_page, odd_page, True, cfg)
     assert "float16" in ragged.gluon_decode_refusal(q.float(), kp.float(), vp.float(), True, cfg)
     odd = torch.empty(10, 64, 8, 96, dtype=torch.bfloat16)
     assert "head_dim" in ragged.gluon_decode_refusal(q[..., :96], odd, odd, True, cfg)
