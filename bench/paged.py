@@ -494,10 +494,13 @@ SWEEP_DECODE = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3)
 def sweep(log) -> list[dict]:
     """Each class's static config (``kernels.ragged.kernel_config``) replaced in turn, on the chunked
     prefill, ragged prefill and paged decode shapes: TFLOP/s (prefill) or GB/s (decode) of
-    ``flash_ragged`` with its plan cached (device work and the launches' host work, no host read)."""
+    ``flash_ragged`` with its plan cached (device work and the launches' host work, no host read).
+    The configs are ``ragged_fwd``'s, so the Gluon kernels are off while it runs."""
     import kernels.ragged as rg
 
     shipped = rg.kernel_config
+    gluon = rg.GLUON_PREFILL, rg.GLUON_DECODE
+    rg.GLUON_PREFILL = rg.GLUON_DECODE = False
     rows = []
     cases = [("chunk 4x256/4096 p64", "prefill"), ("chunk 2x2048/32768 p64", "prefill"),
              ("ragged 16 seqs", "prefill"), ("decode 16x8192 p64", "decode"), ("decode 16x8192 p16", "decode"),
@@ -531,10 +534,10 @@ def sweep(log) -> list[dict]:
                                      block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
         row: dict = {"case": name}
         for cfg in (SWEEP_PREFILL if cls == "prefill" else SWEEP_DECODE):
-            def config(c, d, dtype, interpret, cfg=cfg, cls=cls):  # prefill configs: prefill and chunk
+            def config(c, d, dtype, interpret, gluon=False, cfg=cfg, cls=cls):  # prefill configs: prefill and chunk
                 if (c == "decode") == (cls == "decode"):
                     return rg.Config(*cfg)
-                return shipped(c, d, dtype, interpret)
+                return shipped(c, d, dtype, interpret, gluon)
 
             rg.kernel_config = config
             rg.cached_plan.cache_clear()
@@ -557,6 +560,7 @@ def sweep(log) -> list[dict]:
         rows.append(row)
         del fns
         torch.cuda.empty_cache()
+    rg.GLUON_PREFILL, rg.GLUON_DECODE = gluon
     return rows
 
 

@@ -240,8 +240,7 @@ def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence
     plain Python, a larger one (a step of many long sequences has hundreds of split items) with
     numpy over every item at once; both give the same plan."""
     gluon = gluon_plans(d, dtype, device, interpret)
-    cfgs = tuple(kernel_config(c, d, dtype, interpret, gluon) if gluon else kernel_config(c, d, dtype, interpret)
-                 for c in CLASSES)
+    cfgs = tuple(kernel_config(c, d, dtype, interpret, gluon) for c in CLASSES)
     block_ms = tuple(c.block_m for c in cfgs)
     sms = num_sms(device)
     nq_l = [int(x) for x in q_lens]

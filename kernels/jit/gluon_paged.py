@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_decode import ROWS, _load, _softmax_block
+from .gluon_ragged import _plan_item
 
 
 @gluon.jit
@@ -101,16 +102,8 @@ def paged_decode(
                                                warps_per_cta=[4, 1], order=[1, 0])
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    w = gl.program_id(0).to(gl.int64)
     kvh = gl.program_id(1)
-    seq = gl.load(WORK + w * 5 + 0)
-    tile = gl.load(WORK + w * 5 + 1)
-    k0 = gl.load(WORK + w * 5 + 2)
-    k1 = gl.load(WORK + w * 5 + 3)
-    part = gl.load(WORK + w * 5 + 4)
-    q0 = gl.load(SEQ + seq * 4 + 0)
-    n_q = gl.load(SEQ + seq * 4 + 1)
-    n_k = gl.load(SEQ + seq * 4 + 3)
+    seq, tile, k0, k1, part, q0, n_q, _, n_k = _plan_item(WORK, SEQ)
     bt_row = BT + seq.to(gl.int64) * stride_btr
     n_blocks = gl.cdiv(gl.maximum(k1 - k0, 0), BLOCK_N)
 

@@ -34,12 +34,9 @@ from .gluon_fwd import _attend, _box
 
 
 @gluon.jit
-def _item(WORK, SEQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, win_left, win_right,
-          IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
-    """This program's work item -> (sequence, q start, n_q, k start, n_k, first row, key end, partial
-    row or -1, first key, key blocks): its blocks start at the split's first key (or, windowed, the
-    block of its first row's window) and stop at the split's end, or causal, at the tile's last
-    row's diagonal (windowed, also its window's right edge)."""
+def _plan_item(WORK, SEQ):
+    """This program's work item of the plan (``ragged.Plan``; program id 0 is its index) ->
+    (sequence, row tile, first key, key end, partial row or -1, q start, n_q, k start, n_k)."""
     w = gl.program_id(0).to(gl.int64)
     seq = gl.load(WORK + w * 5 + 0)
     tile = gl.load(WORK + w * 5 + 1)
@@ -50,6 +47,17 @@ def _item(WORK, SEQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, win_left, win
     n_q = gl.load(SEQ + seq * 4 + 1)
     k_start = gl.load(SEQ + seq * 4 + 2)
     n_k = gl.load(SEQ + seq * 4 + 3)
+    return seq, tile, k0, k1, part, q0, n_q, k_start, n_k
+
+
+@gluon.jit
+def _item(WORK, SEQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, win_left, win_right,
+          IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """This program's work item -> (sequence, q start, n_q, k start, n_k, first row, key end, partial
+    row or -1, first key, key blocks): its blocks start at the split's first key (or, windowed, the
+    block of its first row's window) and stop at the split's end, or causal, at the tile's last
+    row's diagonal (windowed, also its window's right edge)."""
+    seq, tile, k0, k1, part, q0, n_q, k_start, n_k = _plan_item(WORK, SEQ)
     row0 = tile * BLOCK_M
     last_row = gl.minimum(row0 + BLOCK_M, n_q) - 1 + n_k - n_q
     hi = k1

@@ -136,8 +136,8 @@ def block_n16(monkeypatch):
 
     real = ragged.kernel_config
 
-    def config(cls, d, dtype, interpret):
-        cfg = real(cls, d, dtype, interpret)
+    def config(cls, d, dtype, interpret, gluon=False):
+        cfg = real(cls, d, dtype, interpret, gluon)
         return ragged.Config(cfg.block_m, 16, cfg.num_warps, cfg.num_stages)
 
     ragged.cached_plan.cache_clear()
