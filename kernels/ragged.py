@@ -8,10 +8,13 @@ one work list: a work item is (sequence, row tile, key split), and one launch pe
 all, so no sequence is padded to the longest.
 
 - "decode" sequences, whose GQA group × n_q query rows fit in ``PACK_ROWS``: a program's rows are
-  the whole group of query heads of one kv head (K/V read once per kv head), BLOCK_M 16; grid
-  (items, Hkv).
-- "prefill" sequences (more rows): a program is BLOCK_M query rows of one head; grid (items, Hq);
-  causal tiles skip the key blocks in their future.
+  the whole group of query heads of one kv head (K/V read once per kv head), BLOCK_M 16; a
+  program per (item, kv head).
+- "prefill" sequences (more rows): a program is BLOCK_M query rows of one head, a program per
+  (item, head); causal tiles skip the key blocks in their future.
+
+A launch's grid is one axis, heads fastest (program p: item p // heads, head p % heads): the plan
+lists prefill and chunk items longest first, so all heads of the longest items start first.
 - "chunk" sequences: prefill rows against at least twice as many keys (a chunked prefill against
   its cache), the same program with smaller tiles, which the H200 runs faster on that shape.
 
@@ -461,7 +464,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
             descs, regs, block_n = prefill[0]
             args = (*descs, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, o.stride(0), o.stride(1),
                     *lse.stride(), hq, hq // hkv, d, scale * jit.LOG2E, *masks.kernel_args())
-            launch(ragged_prefill, (work.shape[0], hq, 1), args,
+            launch(ragged_prefill, (work.shape[0] * hq, 1, 1), args,
                    dict(PAGED=paged, PAGE=page, BLOCK_N=block_n, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
                         WINDOW=masks.window, SOFTCAP=masks.softcap > 0), num_warps=4)
             continue
@@ -472,7 +475,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
                       PAGE=page, PAGE_BLOCK=paged and page_block(cfg.block_n, page), IS_CAUSAL=bool(causal),
                       WINDOW=masks.window, SOFTCAP=masks.softcap > 0, HAS_ALIBI=masks.alibi is not None,
                       DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
-        launch(jit.ragged_fwd, (work.shape[0], hkv if decode else hq, 1), args, consts,
+        launch(jit.ragged_fwd, (work.shape[0] * (hkv if decode else hq), 1, 1), args, consts,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.merge.shape[0]:
         args = (o_part, lse_part, o, lse, plan.merge, *o.stride(), *lse.stride(), hq)

@@ -103,7 +103,7 @@ def paged_decode(
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     kvh = gl.program_id(1)
-    seq, tile, k0, k1, part, q0, n_q, _, n_k = _plan_item(WORK, SEQ)
+    seq, tile, k0, k1, part, q0, n_q, _, n_k = _plan_item(WORK, SEQ, gl.program_id(0))
     bt_row = BT + seq.to(gl.int64) * stride_btr
     n_blocks = gl.cdiv(gl.maximum(k1 - k0, 0), BLOCK_N)
 

@@ -34,10 +34,10 @@ from .gluon_fwd import _attend, _box
 
 
 @gluon.jit
-def _plan_item(WORK, SEQ):
-    """This program's work item of the plan (``ragged.Plan``; program id 0 is its index) ->
+def _plan_item(WORK, SEQ, w):
+    """Work item w of the plan (``ragged.Plan``) ->
     (sequence, row tile, first key, key end, partial row or -1, q start, n_q, k start, n_k)."""
-    w = gl.program_id(0).to(gl.int64)
+    w = w.to(gl.int64)
     seq = gl.load(WORK + w * 5 + 0)
     tile = gl.load(WORK + w * 5 + 1)
     k0 = gl.load(WORK + w * 5 + 2)
@@ -51,13 +51,21 @@ def _plan_item(WORK, SEQ):
 
 
 @gluon.jit
-def _item(WORK, SEQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, win_left, win_right,
+def _head_item(H_Q):
+    """This program's (query head, work item): one grid axis, heads fastest, so every head of the
+    plan's longest items starts first (tail balance) and heads sharing a kv head run side by side."""
+    pid = gl.program_id(0)
+    return pid % H_Q, pid // H_Q
+
+
+@gluon.jit
+def _item(WORK, SEQ, H_Q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, win_left, win_right,
           IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """This program's work item -> (sequence, q start, n_q, k start, n_k, first row, key end, partial
     row or -1, first key, key blocks): its blocks start at the split's first key (or, windowed, the
     block of its first row's window) and stop at the split's end, or causal, at the tile's last
     row's diagonal (windowed, also its window's right edge)."""
-    seq, tile, k0, k1, part, q0, n_q, k_start, n_k = _plan_item(WORK, SEQ)
+    seq, tile, k0, k1, part, q0, n_q, k_start, n_k = _plan_item(WORK, SEQ, _head_item(H_Q)[1])
     row0 = tile * BLOCK_M
     last_row = gl.minimum(row0 + BLOCK_M, n_q) - 1 + n_k - n_q
     hi = k1
@@ -73,15 +81,15 @@ def _item(WORK, SEQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, win_left, win
 
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, WORK, SEQ,
-              BT, stride_btr, stride_btc, GROUP, win_left, win_right, PAGED: gl.constexpr, PAGE: gl.constexpr,
+              BT, stride_btr, stride_btc, H_Q, GROUP, win_left, win_right, PAGED: gl.constexpr, PAGE: gl.constexpr,
               IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """One warp: both halves of the tile's Q, then K_i and V_i into stage i % 2, each once both
     consumers have released the block two before it."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    h = gl.program_id(1)
+    h = _head_item(H_Q)[0]
     kvh = h // GROUP
-    seq, q0, n_q, k_start, n_k, row0, k1, part, first, n_blocks = _item(WORK, SEQ, 2 * ROWS, BLOCK_N, win_left,
+    seq, q0, n_q, k_start, n_k, row0, k1, part, first, n_blocks = _item(WORK, SEQ, H_Q, 2 * ROWS, BLOCK_N, win_left,
                                                                         win_right, IS_CAUSAL, WINDOW)
     if n_blocks > 0:
         for wg in gl.static_range(2):
@@ -138,8 +146,8 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
-    h = gl.program_id(1).to(gl.int64)
-    seq, q0, n_q, k_start, n_k, row0, k1, part, first, n_blocks = _item(WORK, SEQ, 2 * ROWS, BLOCK_N, win_left,
+    h = _head_item(H_Q)[0].to(gl.int64)
+    seq, q0, n_q, k_start, n_k, row0, k1, part, first, n_blocks = _item(WORK, SEQ, H_Q, 2 * ROWS, BLOCK_N, win_left,
                                                                         win_right, IS_CAUSAL, WINDOW)
     r0 = row0 + wg * ROWS
     if n_blocks > 0:
@@ -194,7 +202,7 @@ def ragged_prefill(
     WINDOW: gl.constexpr = False,
     SOFTCAP: gl.constexpr = False,
 ):
-    """Grid (work items, Hq), 4 warps (+ 4 + 1 in the partitions); the plan's row tiles are 128 rows."""
+    """Grid (work items · Hq,), 4 warps (+ 4 + 1 in the partitions); the plan's row tiles are 128 rows."""
     ROWS: gl.constexpr = desc_q.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.block_type.element_ty
@@ -221,7 +229,7 @@ def ragged_prefill(
                      WORK, SEQ, stride_ot, stride_oh, stride_lh, stride_lt, H_Q, D_HEAD, qk_scale, win_left,
                      win_right, cap, IS_CAUSAL, WINDOW, SOFTCAP)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     WORK, SEQ, BT, stride_btr, stride_btc, GROUP, win_left, win_right, PAGED, PAGE, IS_CAUSAL,
+                     WORK, SEQ, BT, stride_btr, stride_btc, H_Q, GROUP, win_left, win_right, PAGED, PAGE, IS_CAUSAL,
                      WINDOW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 

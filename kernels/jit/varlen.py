@@ -84,7 +84,8 @@ def ragged_fwd(
     LSE,                         # out: lse (Hq, Tq) fp32, any strides
     O_PART,                      # out: split partials (R, Hq, D) fp32 contiguous (normalised o of one split)
     LSE_PART,                    # out: split partials (R, Hq) fp32 contiguous
-    WORK,                        # int32 (n_work, WORK_FIELDS): this launch's work items, one per grid row
+    WORK,                        # int32 (n_work, WORK_FIELDS): this launch's work items; program p runs item
+                                 # p // heads for head p % heads (kv heads where PACK)
     SEQ,                         # int32 (S, SEQ_FIELDS): each sequence's offsets and lengths
     BT,                          # int32 block table (S, max_pages); unused unless PAGED
     ALIBI,                       # fp32 ALiBi slopes (S, Hq) (stride_as 0: one set for all); unused unless HAS_ALIBI
@@ -116,8 +117,14 @@ def ragged_fwd(
     HAS_ALIBI: tl.constexpr,     # scores biased by -slope · |i + n_k - n_q - j|
     DOT_PREC: tl.constexpr,      # "ieee" for float32 inputs, "tf32" (ignored) for 16-bit
 ):
-    w = tl.program_id(0).to(tl.int64)
-    hp = tl.program_id(1)
+    # one grid axis, heads fastest: the plan lists items longest first, so every head of the longest
+    # items starts first (tail balance), and heads sharing a kv head run side by side (L2)
+    if PACK:
+        n_h = H_Q // GROUP
+    else:
+        n_h = H_Q
+    w = (tl.program_id(0) // n_h).to(tl.int64)
+    hp = tl.program_id(0) % n_h
     seq = tl.load(WORK + w * 5 + 0)
     tile = tl.load(WORK + w * 5 + 1)
     k0 = tl.load(WORK + w * 5 + 2)
