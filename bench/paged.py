@@ -23,6 +23,10 @@ FlashInfer is optional: "n/a" where ``import flashinfer`` fails or ``BENCH_FLASH
 compiles its modules with nvcc on first use (about 2 minutes on the H200): ``python -m
 bench.flashinfer_jit`` builds them before the bench, so that its budget is not spent on them.
 Every row logs as it finishes; ``paged.md`` in --out-dir gathers them.
+
+Alone, ``python -m bench.paged`` sweeps what the kernels could be launched with: ``--sweep``
+(``ragged_fwd``'s configs per class), ``--split-sweep`` (``SPLIT_WAVES``), ``--pipeline-sweep``
+(``paged_decode``'s stages and block size at pages of 16).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -601,6 +606,49 @@ def split_sweep(log, waves=(1, 2, 3, 4)) -> list[dict]:
     return rows
 
 
+PIPELINES = [(2, 64), (3, 64), (4, 64), (2, 128), (3, 128)]  # paged_decode's (stages, keys a block)
+
+
+def pipeline_sweep(log, pipelines=PIPELINES) -> list[dict]:
+    """The paged decode rows at pages of 16 with each of ``paged_decode``'s (K/V blocks in flight,
+    keys a block) in turn (``ragged.GLUON_DECODE_STAGES``, ``GLUON_DECODE_BLOCK_N``): GB/s of K+V,
+    device time, rotated inputs, medians of three; ``contiguous``: ``flash``'s decode."""
+    import kernels.ragged as rg
+
+    shipped = rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N
+    rows = []
+    for b, spec in DECODE:
+        lens = decode_lengths(b, spec, seed=b)
+        work = 2 * sum(lens) * HKV * D * DTYPE.itemsize
+        copies = n_copies(work)
+        qs = [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+        n_max = max(lens)
+        kvl = None if min(lens) == n_max else torch.tensor(lens, dtype=torch.int32, device="cuda")
+        conts = [(qq.view(b, HQ, 1, D), torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE),
+                  torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE)) for qq in qs]
+        fns = [functools.partial(flash_forward, *t, causal=True, scale=D ** -0.5, kv_lengths=kvl) for t in conts]
+        row: dict = {"B": b, "keys": spec if isinstance(spec, int) else f"{spec[0]}..{spec[1]}",
+                     "contiguous": round(work / rotated_ms(fns) / 1e6)}
+        del conts, fns
+        caches = [paged_cache(lens, 16, seed=i) for i in range(copies)]
+        fns = [functools.partial(flash_ragged, qq, kp, vp, [1] * b, lens, causal=True, scale=D ** -0.5,
+                                 block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
+        ref = fns[0]()[0].float()
+        try:
+            for stages, block_n in pipelines:
+                rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N = stages, block_n
+                err = (fns[0]()[0].float() - ref).abs().max().item()
+                gbs = round(work / statistics.median(rotated_ms(fns) for _ in range(3)) / 1e6)
+                row[f"s{stages}_n{block_n}"] = gbs if err < 1e-2 else f"wrong ({err:.1e})"
+        finally:
+            rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N = shipped
+        log("  pipeline sweep " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+        del caches, fns
+        torch.cuda.empty_cache()
+    return rows
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -609,10 +657,12 @@ if __name__ == "__main__":
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--sweep", action="store_true", help="each class's launch config replaced in turn")
     mode.add_argument("--split-sweep", action="store_true", help="the decode rows at SPLIT_WAVES 1..4")
+    mode.add_argument("--pipeline-sweep", action="store_true",
+                      help="the decode rows at pages of 16 with each of paged_decode's stages and block sizes")
     ap.add_argument("--out", default="paged_sweep.md")
     a = ap.parse_args()
-    if a.split_sweep:
-        text = _table(split_sweep(print))
+    if a.split_sweep or a.pipeline_sweep:
+        text = _table(split_sweep(print) if a.split_sweep else pipeline_sweep(print))
         Path(a.out).write_text(text + "\n")
         print(text)
         raise SystemExit(0)

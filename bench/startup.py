@@ -81,6 +81,8 @@ def start_once(device: str, mode: str, cache_dir: Path, extra: list[str], log_pa
         rec, rec_s, cached, compiled, workers, kind, wall, total, failed = m.groups()
         row["precompile"] = (f"{rec} variants ({rec_s} s to list): {cached} cached, {compiled} compiled on "
                              f"{workers} {kind} in {wall} s ({total} s of compiling), {failed} failed")
+    elif "precompile: skipped" in text:
+        row["precompile"] = "skipped: the warm-up's marker was found (all compiled by an earlier start)"
     elif "precompile failed" in text:
         row["precompile"] = "failed (see the log): the warm-up compiled alone"
     return row

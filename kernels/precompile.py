@@ -333,6 +333,8 @@ def compile_all(variants: Sequence[Variant], workers: int = 0, kind: str = "proc
         finally:
             pool.close()
     failed = [(name, error) for name, _, error in results if error is not None]
+    slowest = sorted(results, key=lambda r: -r[1])[:5]
+    log.debug("precompile: slowest compiles: %s", ", ".join(f"{name} {seconds:.1f}s" for name, seconds, _ in slowest))
     for name, error in failed[:5]:
         log.warning("precompile: %s failed (%s); the warm-up compiles it", name, error)
     if len(failed) > 5:
@@ -361,10 +363,47 @@ def _cache_lock() -> Iterator[None]:
         yield  # an unlocked file's close releases nothing; a locked one's releases the lock
 
 
-def ahead(run: Callable[[], object], workers: int = 0, kind: str = "processes") -> Report | None:
+MARKER_DIR = "attnserve-precompile"
+
+
+def _marker(warmup_key: str) -> Path:
+    """Where a warm-up's marker lives: a file of Triton's cache dir named by the warm-up (``warmup_key``:
+    its shapes, dtypes, layers), the kernels' sources, Triton's version and cache-invalidating
+    environment variables and the visible GPU. Change any of them and the marker is another file."""
+    import torch
+    import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    h = hashlib.sha256()
+    for part in (warmup_key, triton.__version__, repr(sorted(get_cache_invalidating_env_vars().items()))):
+        h.update(part.encode() + b"\0")
+    if torch.cuda.is_available():
+        h.update(repr((torch.cuda.get_device_name(), torch.cuda.get_device_capability())).encode())
+    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):  # every kernel and its host code
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return Path(knobs.cache.dir) / MARKER_DIR / f"{h.hexdigest()}.json"
+
+
+def ahead(run: Callable[[], object], workers: int = 0, kind: str = "processes",
+          warmup_key: str | None = None) -> Report | None:
     """Record what ``run`` (a warm-up) would compile, and compile what Triton's cache lacks, in
-    parallel; then the caller runs ``run`` for real. The Report, or None when something failed
-    (logged: the warm-up then compiles everything it needs itself, one by one)."""
+    parallel; then the caller runs ``run`` for real. The Report, or None when it was skipped or
+    something failed (logged: the warm-up then compiles whatever it needs itself, one by one).
+
+    With ``warmup_key``, a start whose every variant ended up compiled leaves a marker (``_marker``);
+    a later start of the same warm-up that finds it skips the recording pass, which costs as long as
+    the warm-up itself and finds nothing to compile once Triton's cache is warm."""
+    marker = None
+    if warmup_key is not None:
+        try:
+            marker = _marker(warmup_key)
+            if marker.is_file():
+                log.info("precompile: skipped: this warm-up's kernels were all compiled by an earlier start (%s)",
+                         marker.name[:16])
+                return None
+        except Exception as exc:  # noqa: BLE001 - without a marker, the pass runs as usual
+            log.info("precompile: no marker (%s: %s)", type(exc).__name__, exc)
+            marker = None
     report = Report(kind=kind)
     t0 = time.perf_counter()
     try:
@@ -387,6 +426,10 @@ def ahead(run: Callable[[], object], workers: int = 0, kind: str = "processes") 
     log.info("precompile: %d kernel variants recorded in %.1fs, %d cached already, %d compiled on %d %s in %.1fs "
              "(%.1fs of compiling), %d failed", report.recorded, report.record_s, report.cached, report.compiled,
              report.workers, kind, report.compile_s, report.compile_sum_s, report.failed)
+    if marker is not None and report.complete and not report.failed:
+        with contextlib.suppress(OSError):  # a read-only cache keeps no marker: the pass runs each start
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"warmup": warmup_key, "variants": report.recorded}))
     return report
 
 

@@ -9,5 +9,6 @@ the GPU.
 - ``gluon_fwd``: ``attn_fwd_ws``, the D 128 prefill on Hopper (Gluon, warp-specialised);
 - ``gluon_decode``: ``attn_decode``, the packed or split decode on Hopper (Gluon, TMA);
 - ``flash_v1``: ``flash_v1_fwd``, the seed's V1 loop order;
-- ``flash_bwd``: ``bwd_preprocess``, ``bwd_dkdv``, ``bwd_dq``.
+- ``flash_bwd``: ``bwd_preprocess``, ``bwd_dkdv``, ``bwd_dq``;
+- ``tuning``: how their autotuners time a config.
 """

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import tuning
 from .softmax import key_range, tanh
 
 LOG2E = 1.4426950408889634
@@ -334,9 +335,9 @@ def _pruner(table):
 _KEY = ["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN", "WINDOW", "SOFTCAP", "HAS_ALIBI", "N_BUCKET"]
 bwd_dkdv_tuned = triton.autotune(
     configs=[c for cs in _DKDV.values() for c in cs] + _FP32, key=_KEY + ["GROUP"],
-    prune_configs_by={"early_config_prune": _pruner(_DKDV)},
+    prune_configs_by={"early_config_prune": _pruner(_DKDV)}, do_bench=tuning.bench,
 )(bwd_dkdv)
 bwd_dq_tuned = triton.autotune(
     configs=[c for cs in _DQ.values() for c in cs] + _FP32, key=_KEY,
-    prune_configs_by={"early_config_prune": _pruner(_DQ)},
+    prune_configs_by={"early_config_prune": _pruner(_DQ)}, do_bench=tuning.bench,
 )(bwd_dq)

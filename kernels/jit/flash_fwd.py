@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from . import tuning
 from .softmax import key_range, online_softmax_block
 
 LOG2E = 1.4426950408889634
@@ -387,12 +388,14 @@ def _prune_tma(configs, nargs, **kw):
 attn_fwd_tma_tuned = triton.autotune(
     configs=[c for cs in TMA_CONFIGS.values() for c in cs],
     key=["D", "HAS_KV_LEN", "N_Q_BUCKET", "N_K_BUCKET"],
-    prune_configs_by={"early_config_prune": _prune_tma},
+    prune_configs_by={"early_config_prune": _prune_tma}, do_bench=tuning.bench,
 )(attn_fwd_tma)
 
 attn_fwd_tuned = triton.autotune(
     configs=_ALL_PREFILL, key=_KEY, prune_configs_by={"early_config_prune": _prune_prefill},
+    do_bench=tuning.bench,
 )(attn_fwd)
 attn_fwd_split_tuned = triton.autotune(
     configs=_SPLIT + _SPLIT_FP32, key=_KEY, prune_configs_by={"early_config_prune": _prune_split},
+    do_bench=tuning.bench,
 )(attn_fwd)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import tuning
+
 
 @triton.jit
 def flash_v1_fwd(
@@ -143,5 +145,5 @@ flash_v1_fwd_tuned = triton.autotune(
     configs=[c for cs in _CONFIGS.values() for c in cs],
     key=["BLOCK_D", "IS_CAUSAL", "HAS_KV_LEN"],
     prune_configs_by={"early_config_prune": _prune},
-    restore_value=["O_PART", "M_PART", "L_PART"],
+    restore_value=["O_PART", "M_PART", "L_PART"], do_bench=tuning.bench,
 )(flash_v1_fwd)

@@ -136,7 +136,10 @@ class Worker:
         variants it would compile are first compiled in parallel (--precompile), then it runs."""
         kernels.autotune_cache.set_enabled(self.settings.autotune_cache)
         if self._cuda and self.settings.precompile != "off":
-            precompile.ahead(self._warmup_kernels, self.settings.precompile_workers, self.settings.precompile)
+            what = repr((sorted((name, layer.info) for name, layer in self.layers.items()),
+                         self.settings.warmup_shapes, self.settings.warmup_dtypes, self.settings.kv_page_tokens))
+            precompile.ahead(self._warmup_kernels, self.settings.precompile_workers, self.settings.precompile,
+                             warmup_key=what)
         self._warmup_kernels()
 
     def _warmup_kernels(self) -> None:

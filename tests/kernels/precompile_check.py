@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from triton import knobs
@@ -63,6 +64,13 @@ def main() -> None:
     out["missing_after"] = sorted(v.qualname for v in precompile.missing(variants))
     warm_start = precompile.ahead(merge, workers=2)
     out["warm"] = [warm_start.recorded, warm_start.cached, warm_start.compiled, warm_start.workers]
+    # a warm-up named by a key leaves a marker once all it recorded is compiled; the next start of
+    # the same warm-up skips the recording pass, another warm-up does not
+    keyed = precompile.ahead(merge, workers=2, warmup_key="merge")
+    again = precompile.ahead(merge, workers=2, warmup_key="merge")
+    other = precompile.ahead(merge, workers=2, warmup_key="another warm-up")
+    markers = list((Path(knobs.cache.dir) / precompile.MARKER_DIR).glob("*.json"))
+    out["marker"] = [keyed is not None and keyed.recorded, again is None, other is not None, len(markers)]
 
     # the JIT's own compile of that launch (no hook: it compiles for real) is a cache hit
     hits = []

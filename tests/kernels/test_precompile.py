@@ -42,6 +42,7 @@ def test_record_compile_ahead_and_replay(tmp_path):
     assert found["cold"] == [1, 0, 1, 0, 1], "recorded, cached, compiled, failed, workers"
     assert found["missing_after"] == ["attn_fwd"] * 3, "only what was compiled leaves the missing list"
     assert found["warm"] == [1, 1, 0, 0], "a warm start compiles nothing and starts no worker"
+    assert found["marker"] == [1, True, True, 2], "recorded once, then skipped; another warm-up has its own marker"
     assert found["jit_cache_hits"] == [True], "the JIT must find the precompiled kernel under its own cache key"
     assert found["saved_under_cache_dir"] and found["replayed"]
     assert list((tmp_path / "triton").glob("*/attn_combine.cubin"))
