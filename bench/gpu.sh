@@ -14,9 +14,10 @@
 #   service   the engine's, batcher's, layers', processes' and server's GPU tests, then
 #             python -m bench.service engine (batching on/off, large requests, two GPUs, two processes),
 #             python -m bench.http_latency (the HTTP transport), python -m bench.grpc_latency,
+#             python -m bench.grpc_floor (grpcio's own cost: an echo server, no engine),
 #             python -m bench.sessions (session steps over HTTP and gRPC, packed steps, a decode loop)
 #             -> OUTDIR/service/: tests.txt, service.md (engine and HTTP tables), engine.log, http.log,
-#             grpc.txt, sessions.md
+#             grpc.txt, grpc_floor.md, sessions.md
 #   loadtest  the Locust matrix {HTTP safetensors, gRPC} x {small, prefill} x {16, 64, 256 users}, one
 #             python -m loadtest.run per cell, against `python -m service` with batching off, then on
 #             -> OUTDIR/loadtest/: results.md, results.csv, plots (with matplotlib), bench.log,
@@ -173,6 +174,7 @@ bench_service() {
     --iters "${HTTP_ITERS:-150}" --large-iters "${HTTP_LARGE_ITERS:-4}" --write "$dir/service.md"
   step "bench.grpc_latency" "$dir/grpc.txt" "$PYTHON" -m bench.grpc_latency \
     --iters "${GRPC_ITERS:-500}" --stream-calls "${GRPC_STREAM_CALLS:-3000}"
+  step "bench.grpc_floor" "$dir/grpc_floor.md" "$PYTHON" -m bench.grpc_floor --iters "${GRPC_ITERS:-500}"
   step "bench.sessions" "$dir/sessions.md" "$PYTHON" -m bench.sessions --iters "${SESSION_ITERS:-100}"
 }
 

@@ -346,7 +346,7 @@ def test_gpu_script_runs_every_part_with_arguments_the_tools_take(tmp_path):
     for want in ("-m pytest -q -m gpu", f"-m bench.kernels --out-dir {out}/kernels --budget-s 480",
                  "-m bench.service engine --only small,large,multi,procs --seconds 2",
                  "-m bench.http_latency --iters 150 --large-iters 4", "-m bench.grpc_latency --iters 500",
-                 "-m bench.sessions --iters 100",
+                 "-m bench.grpc_floor --iters 500", "-m bench.sessions --iters 100",
                  "-m service --host 127.0.0.1", f"-m loadtest.report {out}/loadtest/cells",
                  f"-m loadtest.report {out}/soak/cells"):
         assert any(line.startswith(want) for line in lines), (want, lines)

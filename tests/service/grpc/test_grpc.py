@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -570,3 +572,16 @@ def test_declared_bytes_are_the_tensors_bytes():
     req.inputs.add(name="q", datatype="FP16", shape=[1, 2, 3, 4])
     req.inputs.add(name="k", datatype="FP32", shape=[1, 2, 3, 4])
     assert declared_bytes(req) == 24 * 2 + 24 * 4
+
+
+def test_grpc_floor_bench_measures_every_server_kind():
+    """``python -m bench.grpc_floor``: each server kind answers its echo at both sizes (checked by
+    the bench: a third of the request back), and the table has a row each."""
+    from bench import grpc_floor
+
+    proc = subprocess.run([sys.executable, "-m", "bench.grpc_floor", "--iters", "20", "--kinds", "asyncio,sync"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()[2:]]
+    assert [(k.strip(), int(n)) for k, n, *_ in rows] == [(k, n) for k in ("asyncio", "sync") for n in grpc_floor.SIZES]
+    assert all(0 < float(p50) <= float(p99) for _, _, p50, p99 in rows)
