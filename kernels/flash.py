@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import hopper
 from .hopper import (
     _16BIT,
     _recipe,
@@ -84,12 +85,13 @@ def flash_forward(
     dev = q.device
     pack, splits, kps = plan(b, hq, hkv, n_q, n_k, dev, num_splits)
     # the Gluon kernels: decode (packed or split, unmasked) or, at its head dims in 16 bits, prefill
-    # (windows and softcap included; a cheap superset of gluon_path's rules here; _recipe checks
-    # them all once per problem)
+    # (windows, softcap and ALiBi included; a cheap superset of gluon_path's rules here; _recipe
+    # checks them all once per problem)
     masked = masks.active
     split = pack > 1 or splits > 1
     if tma is not False and gluon and not interpreting() and (
-            (split and not masked) or (not split and masks.alibi is None and gluon_box(d) is not None
+            (split and not masked) or (not split and (masks.alibi is None or hopper.GLUON_ALIBI)
+                                       and gluon_box(d) is not None
                                        and q.dtype in _16BIT and (tma or gluon_sizes(n_q, n_k, causal)))):
         recipe = _recipe(q, k, v, kv_lengths, causal, num_splits, tma, pack, splits, kps, masks)
         if recipe is not None:

@@ -26,7 +26,7 @@ from .jit import gluon_decode as kern_decode
 from .jit import gluon_fwd as kern_gluon
 from .launch import _COMPILED_MAX, _compiled_plain, _run, clear_on_switch, direct_launch, interpreting, launch_plain
 from .masks import NO_MASKS, Masks
-from .plan import _cdiv, _combine_launch, _num_sms, kv_length_arg, tell
+from .plan import _cdiv, _combine_launch, _num_sms, alibi_arg, kv_length_arg, tell
 
 _16BIT = (torch.float16, torch.bfloat16)
 TMA_MIN_N = 2048  # min(Nq, Nk) below which attn_fwd is as fast (see docs/benchmarks/kernels.md#prefill)
@@ -38,6 +38,9 @@ GLUON_MIN_N_CAUSAL = 2048
 # docs/benchmarks/kernels.md#prefill; at D 128, 64 keys a block is slower than 128
 GLUON_TILES: dict[int, tuple[int, bool, int]] = {128: (128, False, 232), 256: (64, True, 240)}
 GLUON_MIN_D = 72  # from D 64 down, attn_fwd_tma (D 64) and attn_fwd are as fast
+# ALiBi slopes in attn_fwd_ws and ragged_prefill: compiled for sm_90 by the CPU tests, their numerics
+# not yet checked on a GPU (the gpu tests turn it on); off, ALiBi calls run the Triton kernels
+GLUON_ALIBI = False
 _GLUON_BLOCK_N = GLUON_TILES[128][0]
 _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -110,12 +113,12 @@ def gluon_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   sizes: bool = True, masks: Masks = NO_MASKS) -> str | None:
     """Why ``attn_fwd_ws`` does not serve this problem, or None when it does: 16-bit prefill on
     Hopper at a head dim ``gluon_box`` takes, causal or not, strides a host TMA descriptor takes
-    (``_descriptor_ok``); a sliding window and softcap, not ALiBi slopes. ``sizes=False`` skips the
-    length thresholds (tests)."""
+    (``_descriptor_ok``); a sliding window, softcap and ALiBi slopes (where ``GLUON_ALIBI``).
+    ``sizes=False`` skips the length thresholds (tests)."""
     if pack != 1 or splits != 1:
         return _DECODE_PLAN
-    if masks.alibi is not None:
-        return "alibi_slopes (this kernel takes window_size and softcap only)"
+    if masks.alibi is not None and not GLUON_ALIBI:
+        return "alibi_slopes (hopper.GLUON_ALIBI is off)"
     if q.dtype not in _16BIT:
         return _NOT_16BIT
     if gluon_box(q.shape[-1]) is None:
@@ -349,7 +352,7 @@ def _decode_plain(causal: bool, pack: int, splits: int, kps: int, q, k, v, kv_le
 
 def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causal: bool,
                   masks: Masks = NO_MASKS) -> tuple[tuple, tuple, dict]:
-    """(grid, args, constexprs) of attn_fwd_ws writing o and lse, with ``masks``' window and cap."""
+    """(grid, args, constexprs) of attn_fwd_ws writing o and lse, with ``masks``' window, cap and slopes."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     rows = kern_gluon.BLOCK_M // 2
@@ -360,6 +363,7 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
         _descriptor(q, rows, box), _descriptor(k, block_n, box), _descriptor(v, block_n, box),
         _descriptor(o, rows, box), lse, kv_len, hq, hq // hkv, n_q, n_k, b * hq, scale * kern.LOG2E,
         causal_heads_per_group(k, b * hq, hq // hkv) if causal else 1, *masks.kernel_args(),
+        *alibi_arg(masks, q.device),
     )
     # non-causal: persistent, one program an SM (its shared memory allows no second), so a tile's
     # Q load and O store overlap its neighbours' work. Causal: a program a tile, as tiles differ in
@@ -367,7 +371,8 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     # (docs/benchmarks/kernels.md#prefill)
     programs = tiles if causal else min(tiles, _num_sms(q.device))
     return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
-                                   O_IN_Q=o_in_q, WINDOW=masks.window, SOFTCAP=masks.softcap > 0)
+                                   O_IN_Q=o_in_q, WINDOW=masks.window, SOFTCAP=masks.softcap > 0,
+                                   ALIBI=masks.alibi is not None)
 
 
 class _GluonRecipe:
@@ -402,10 +407,10 @@ class _GluonRecipe:
 
 
 def _forward_gluon(q, descs, lse, kv_len, scale: float, recipe: _GluonRecipe, masks: Masks = NO_MASKS) -> None:
-    """attn_fwd_ws as ``recipe`` (and ``_gluon_launch``) says; the window and cap are the call's."""
+    """attn_fwd_ws as ``recipe`` (and ``_gluon_launch``) says; the window, cap and slopes are the call's."""
     compiled, grid = recipe.launch
     _run(compiled, grid, (*descs, lse, kv_len, *recipe.static, scale * kern.LOG2E, recipe.heads,
-                          *masks.kernel_args(), *recipe.tail))
+                          *masks.kernel_args(), *alibi_arg(masks, q.device), *recipe.tail))
 
 
 def _gluon_plain(causal: bool, q, k, v, kv_lengths, scale: float,
@@ -429,12 +434,14 @@ def _recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, tma: bool
     (``decode_path`` unmasked, or ``gluon_path`` for what ``plan`` neither packs nor splits), built
     on its first call; None where neither does. Keyed on what decides every launch argument but the
     data: shapes, strides, dtype, device, flags, and the 16-byte alignments Triton and TMA depend
-    on; of the masks, which are on and how Triton specialises the window's integers (1, multiples of
-    16), since the call passes their values."""
+    on; of the masks, which are on and how Triton specialises the window's integers and the slopes'
+    strides and pointer (1, multiples of 16), since the call passes their values."""
     left, right, _ = masks.kernel_args()
+    slopes, stride_as, stride_ah = alibi_arg(masks, q.device)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
            kv_lengths is None, num_splits, tma, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
-           masks.window, masks.softcap > 0, masks.alibi is None, left == 1, left % 16, right == 1, right % 16)
+           masks.window, masks.softcap > 0, masks.alibi is None, left == 1, left % 16, right == 1, right % 16,
+           slopes.data_ptr() % 16, stride_as in (0, 1), stride_as % 16, stride_ah == 1, stride_ah % 16, GLUON_ALIBI)
     try:
         return _recipes[key]
     except KeyError:

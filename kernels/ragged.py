@@ -463,10 +463,11 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
 
             descs, regs, block_n = prefill[0]
             args = (*descs, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, o.stride(0), o.stride(1),
-                    *lse.stride(), hq, hq // hkv, d, scale * jit.LOG2E, *masks.kernel_args())
+                    *lse.stride(), hq, hq // hkv, d, scale * jit.LOG2E, *masks.kernel_args(), slopes, stride_as,
+                    stride_ah)
             launch(ragged_prefill, (work.shape[0] * hq, 1, 1), args,
                    dict(PAGED=paged, PAGE=page, BLOCK_N=block_n, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
-                        WINDOW=masks.window, SOFTCAP=masks.softcap > 0), num_warps=4)
+                        WINDOW=masks.window, SOFTCAP=masks.softcap > 0, ALIBI=masks.alibi is not None), num_warps=4)
             continue
         args = (q, k, v, o, lse, o_part, lse_part, work, plan.seq, bt, slopes, *bt_strides, stride_as, stride_ah,
                 *q.stride(), *kst, *vst, *o.stride(), *lse.stride(), hq, hq // hkv, scale * jit.LOG2E,
@@ -564,8 +565,8 @@ def _gluon_prefill_check(q, k, v, paged: bool, cfg: Config, masks: Masks) -> tup
 
     if not GLUON_PREFILL:
         return None, "ragged.GLUON_PREFILL is off"
-    if masks.alibi is not None:
-        return None, "alibi_slopes (ragged_prefill takes window_size and softcap only)"
+    if masks.alibi is not None and not hopper.GLUON_ALIBI:
+        return None, "alibi_slopes (hopper.GLUON_ALIBI is off)"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return None, "not float16/bfloat16"
     d = q.shape[-1]

@@ -54,10 +54,11 @@ def _tanh(x):
 
 
 @gluon.jit
-def _scores(s, qk_scale, start, kv_len, diag, win_left, win_right, cap, IS_CAUSAL: gl.constexpr,
-            WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+def _scores(s, qk_scale, start, kv_len, diag, win_left, win_right, cap, slope, IS_CAUSAL: gl.constexpr,
+            WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """S = Q Kᵀ of the block of keys [start, start + BLOCK_N) in log2 units, capped first (SOFTCAP:
-    cap · tanh(S / cap), cap in log2 units too, flash-attn's order), then masked to -inf where a
+    cap · tanh(S / cap), cap in log2 units too, flash-attn's order), biased (ALIBI: - slope ·
+    |row's aligned position - key|, slope in log2 units: every block pays), then masked to -inf where a
     key is >= kv_len (a ragged last block, or kv_lengths), causal, past its row's diagonal, or
     outside its row's window: row r of the warpgroup is at diag + r and sees keys
     diag + r - win_left ..= diag + r + win_right. Only the blocks that need it pay for a mask."""
@@ -67,6 +68,10 @@ def _scores(s, qk_scale, start, kv_len, diag, win_left, win_right, cap, IS_CAUSA
     s = s * qk_scale
     if SOFTCAP:
         s = cap * _tanh(s * (1.0 / cap))
+    if ALIBI:
+        keys = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        at = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)), 1) + diag
+        s = s - slope * gl.abs(at - keys).to(gl.float32)
     last = start + BLOCK_N - 1
     masked = last >= kv_len
     if IS_CAUSAL:
@@ -158,8 +163,8 @@ def _zero_rows_from(tile, valid):
 
 @gluon.jit
 def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, n_blocks, first_key, kv_len, diag,
-            qk_scale, win_left, win_right, cap, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-            SOFTCAP: gl.constexpr, RELEASE_Q: gl.constexpr, ZERO_TAIL: gl.constexpr):
+            qk_scale, win_left, win_right, cap, slope, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, RELEASE_Q: gl.constexpr, ZERO_TAIL: gl.constexpr):
     """One warpgroup's rows (q, (ROWS, D) in shared memory) against a tile's n_blocks key blocks
     from key first_key, the blocks counted from ``it`` in the two-stage ring; -> (acc (ROWS, D),
     m_i, l_i), acc not yet divided by l_i. RELEASE_Q: arrive on q_empty once every S is done (the
@@ -185,7 +190,7 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
         s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
         s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
         s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, first_key, kv_len, diag,
-                    win_left, win_right, cap, IS_CAUSAL, WINDOW, SOFTCAP)
+                    win_left, win_right, cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
         mbarrier.arrive(k_empty.index(st))
         m_i = gl.max(s, axis=1)
         p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL or WINDOW), 1))
@@ -201,8 +206,8 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
-            s = _scores(s, qk_scale, first_key + j * BLOCK_N, kv_len, diag, win_left, win_right, cap,
-                        IS_CAUSAL, WINDOW, SOFTCAP)
+            s = _scores(s, qk_scale, first_key + j * BLOCK_N, kv_len, diag, win_left, win_right, cap, slope,
+                        IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
             mbarrier.arrive(k_empty.index(stage))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = _finite(m_new, IS_CAUSAL or WINDOW)
@@ -232,8 +237,8 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
 @gluon.jit
 def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
               LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
-              cap, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr, O_IN_Q: gl.constexpr, WINDOW: gl.constexpr,
-              SOFTCAP: gl.constexpr):
+              cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              O_IN_Q: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """One warpgroup: its 64 rows of each of the program's tiles against the tile's key blocks."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -258,9 +263,10 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         loads_q = (n_blocks > 0) | O_IN_Q  # O_IN_Q: every tile's O goes out through its Q buffer
         if loads_q:
             mbarrier.wait(q_bar.index(wg), phase=qc & 1)
+        slope = _slope(SLOPES, b, h, stride_as, stride_ah, ALIBI)
         acc, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(wg), it,
-                                n_blocks, first * BLOCK_N, kv_len, diag, qk_scale, win_left, win_right, cap,
-                                IS_CAUSAL, WINDOW, SOFTCAP, not O_IN_Q, False)
+                                n_blocks, first * BLOCK_N, kv_len, diag, qk_scale, win_left, win_right, cap, slope,
+                                IS_CAUSAL, WINDOW, SOFTCAP, ALIBI, not O_IN_Q, False)
         it += n_blocks
         if loads_q:
             qc += 1
@@ -279,6 +285,15 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         gl.store(LSE + pid_bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _slope(SLOPES, row, h, stride_as, stride_ah, ALIBI: gl.constexpr):
+    """The ALiBi slope of (batch element or sequence ``row``, head h) in log2 units; 0.0 unless ALIBI."""
+    if ALIBI:
+        return gl.load(SLOPES + row.to(gl.int64) * stride_as + h * stride_ah) * 1.4426950408889634
+    else:
+        return 0.0
 
 
 @gluon.jit
@@ -339,12 +354,15 @@ def attn_fwd_ws(
     HEADS_PER_GROUP,             # causal: (batch, head)s scheduled together (order only, see _work)
     win_left, win_right,         # window sides in keys (1 << 30: unbounded); unused unless WINDOW
     cap,                         # softcap · log2(e); unused unless SOFTCAP
+    SLOPES,                      # fp32 ALiBi slopes (B, Hq) (stride_as 0: one set for all); unused unless ALIBI
+    stride_as, stride_ah,
     HAS_KV_LEN: gl.constexpr,
     IS_CAUSAL: gl.constexpr,     # bottom-right: query i sees keys <= i + N_K - N_Q
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
     O_IN_Q: gl.constexpr = False,  # O leaves through the Q buffers (a box of D 256: module docstring)
     WINDOW: gl.constexpr = False,  # a sliding window bounds the keys of each row
     SOFTCAP: gl.constexpr = False,  # scores capped: softcap · tanh(S / softcap)
+    ALIBI: gl.constexpr = False,  # scores biased by -slope · |i + N_K - N_Q - j|
 ):
     """Prefill; a tile = 128 query rows of one (batch, head). Grid (programs,): program p takes
     tiles p, p + programs, ... in ``_work``'s order; the launcher gives min(tiles, SMs) programs
@@ -381,10 +399,10 @@ def attn_fwd_ws(
     gl.warp_specialize([
         (_consumer, (0, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
                      LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
-                     cap, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP)),
+                     cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI)),
         (_consumer, (1, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
                      LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
-                     cap, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP)),
+                     cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
                      v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right,
                      HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW)),

@@ -30,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .gluon_fwd import _attend, _box
+from .gluon_fwd import _attend, _box, _slope
 
 
 @gluon.jit
@@ -137,7 +137,8 @@ def _load_block(desc, smem, bar, bt_row, stride_btc, k_start, key, end, kvh, PAG
 @gluon.jit
 def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, O_PART, LSE_PART,
               WORK, SEQ, stride_ot, stride_oh, stride_lh, stride_lt, H_Q, D_HEAD, qk_scale, win_left, win_right,
-              cap, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+              cap, SLOPES, stride_as, stride_ah, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """One warpgroup: its 64 rows of the tile, then their o and lse (rows of the sequence only)."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -152,9 +153,10 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
     r0 = row0 + wg * ROWS
     if n_blocks > 0:
         mbarrier.wait(q_bar.index(wg), phase=0)
+    slope = _slope(SLOPES, seq, h, stride_as, stride_ah, ALIBI)
     acc, m_i, l_i = _attend(q_smem.index(wg), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_bar.index(wg), 0,
-                            n_blocks, first, k1, r0 + n_k - n_q, qk_scale, win_left, win_right, cap, IS_CAUSAL,
-                            WINDOW, SOFTCAP, False, True)
+                            n_blocks, first, k1, r0 + n_k - n_q, qk_scale, win_left, win_right, cap, slope, IS_CAUSAL,
+                            WINDOW, SOFTCAP, ALIBI, False, True)
     # rows that saw no key (n_k 0, causal rows above the split's first key) -> o = 0, lse = -inf
     seen = l_i != 0.0
     l_safe = gl.where(seen, l_i, 1.0)
@@ -194,6 +196,8 @@ def ragged_prefill(
     qk_scale,                    # scale · log2(e)
     win_left, win_right,         # window sides in keys; unused unless WINDOW
     cap,                         # softcap · log2(e); unused unless SOFTCAP
+    SLOPES,                      # fp32 ALiBi slopes (S, Hq) (stride_as 0: one set for all); unused unless ALIBI
+    stride_as, stride_ah,
     PAGED: gl.constexpr,
     PAGE: gl.constexpr,          # page_tokens (PAGED): a multiple of BLOCK_N, or a divisor
     BLOCK_N: gl.constexpr,       # keys a block
@@ -201,6 +205,7 @@ def ragged_prefill(
     CONSUMER_REGS: gl.constexpr,  # registers per thread of a consumer warpgroup (the producer gets 24)
     WINDOW: gl.constexpr = False,
     SOFTCAP: gl.constexpr = False,
+    ALIBI: gl.constexpr = False,  # scores biased by -slope · |i + n_k - n_q - j|
 ):
     """Grid (work items · Hq,), 4 warps (+ 4 + 1 in the partitions); the plan's row tiles are 128 rows."""
     ROWS: gl.constexpr = desc_q.block_type.shape[2]
@@ -224,10 +229,10 @@ def ragged_prefill(
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, O_PART, LSE_PART,
                      WORK, SEQ, stride_ot, stride_oh, stride_lh, stride_lt, H_Q, D_HEAD, qk_scale, win_left,
-                     win_right, cap, IS_CAUSAL, WINDOW, SOFTCAP)),
+                     win_right, cap, SLOPES, stride_as, stride_ah, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, O_PART, LSE_PART,
                      WORK, SEQ, stride_ot, stride_oh, stride_lh, stride_lt, H_Q, D_HEAD, qk_scale, win_left,
-                     win_right, cap, IS_CAUSAL, WINDOW, SOFTCAP)),
+                     win_right, cap, SLOPES, stride_as, stride_ah, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      WORK, SEQ, BT, stride_btr, stride_btc, H_Q, GROUP, win_left, win_right, PAGED, PAGE, IS_CAUSAL,
                      WINDOW)),

@@ -304,7 +304,7 @@ def test_gradients_against_float64_autograd(name, kernel, monkeypatch):
 # ---- on a GPU ----
 
 # (shape, causal, window, softcap, ALiBi slopes, the kernel that serves it): the Gluon prefill takes
-# windows and softcap; ALiBi, the TMA kernel's shapes and the decode plans run attn_fwd
+# windows, softcap and ALiBi; the TMA kernel's shapes (D 64) and the decode plans run attn_fwd
 GPU_CASES = {
     "prefill_d128_window": ((2, 8, 2, 1025, 4097, 128), True, (256, -1), 0.0, None, "gluon"),
     "prefill_d128_window_cap": ((2, 4, 2, 2000, 2100, 128), False, (300, 100), 30.0, None, "gluon"),
@@ -312,7 +312,9 @@ GPU_CASES = {
     # each row sees its own key only: a warpgroup's first block holds none of its rows' keys
     "prefill_d256_diagonal_window": ((1, 2, 2, 1000, 1000, 256), False, (0, 0), 0.0, None, "gluon"),
     "prefill_chunk_window": ((1, 4, 2, 300, 3000, 128), True, (500, -1), 0.0, None, "gluon"),
-    "prefill_d128_alibi": ((1, 4, 4, 2048, 2048, 128), True, (-1, -1), 0.0, "h", "attn_fwd"),
+    "prefill_d128_alibi": ((1, 4, 4, 2048, 2048, 128), True, (-1, -1), 0.0, "h", "gluon"),
+    # slopes per batch element with every other modifier, Nq != Nk (the bias's aligned positions)
+    "prefill_d256_alibi_all": ((2, 4, 2, 1500, 2100, 256), True, (700, 50), 30.0, "bh", "gluon"),
     "prefill_d64_all": ((1, 8, 8, 2048, 2048, 64), False, (300, 100), 30.0, "bh", "attn_fwd"),   # TMA's shape
     "decode_split_gqa": ((4, 32, 8, 1, 8191, 128), True, (1024, -1), 50.0, "h", "attn_fwd"),    # Gluon decode's
 }
@@ -327,13 +329,14 @@ def alone_slopes(slopes):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu_masked_calls_run_the_kernel_that_serves_them(name, dtype, monkeypatch):
-    """Windows and softcap run the Gluon prefill (the size threshold lifted: tma=True in flash_forward
-    is not reachable from attention, so the shapes are above it); ALiBi, the TMA kernel's shapes and
-    decode plans run attn_fwd (the other Hopper kernels fail if called). Within budget of float64;
+    """Windows, softcap and ALiBi run the Gluon prefill (the size threshold lifted: tma=True in
+    flash_forward is not reachable from attention, so the shapes are above it); the TMA kernel's
+    shapes and decode plans run attn_fwd (the other Hopper kernels fail if called). Within budget of float64;
     batched equals each element alone, bit for bit."""
     from kernels import flash, hopper
 
     monkeypatch.setenv("ATTNSERVE_AUTOTUNE", "0")
+    monkeypatch.setattr(hopper, "GLUON_ALIBI", True)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a Hopper kernel ran a call it does not serve")
@@ -370,16 +373,19 @@ def test_gpu_varlen_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [0, 64])  # varlen keys; pages of 64 (64-key blocks)
-def test_gpu_ragged_prefill_window_softcap(page):
-    """A window and softcap in ragged_prefill (Gluon): prefill and chunk tiles whose first and last
-    blocks cross the window's edges, beside a decode, within the budget of float64."""
-    from kernels import ragged
+@pytest.mark.parametrize("page,alibi", [(0, None), (64, None), (0, "bh"), (64, "h")])  # varlen keys; pages of 64
+def test_gpu_ragged_prefill_window_softcap(page, alibi, monkeypatch):
+    """A window and softcap (and ALiBi slopes, per sequence or shared) in ragged_prefill (Gluon):
+    prefill and chunk tiles whose first and last blocks cross the window's edges, beside a decode,
+    within the budget of float64."""
+    from kernels import hopper, ragged
 
+    monkeypatch.setattr(hopper, "GLUON_ALIBI", True)
     q_lens, k_lens, hq, hkv, d = [1, 300, 200], [4097, 300, 2500], 8, 2, 128
     q, k, v, cu_q, cu_k = packed(q_lens, k_lens, hq, hkv, d, torch.bfloat16, device="cuda")
     k_seqs, v_seqs = split_rows(k, k_lens), split_rows(v, k_lens)
-    opts = dict(causal=True, window_size=(200, -1), softcap=20.0, return_lse=True)
+    slopes = slopes_for(alibi, len(q_lens), hq, "cuda")
+    opts = dict(causal=True, window_size=(200, -1), softcap=20.0, alibi_slopes=slopes, return_lse=True)
     cfg = ragged.kernel_config("chunk", d, q.dtype, False, True)
     if page:
         k_pages, v_pages, table = paginate(k_seqs, v_seqs, page)
@@ -389,8 +395,8 @@ def test_gpu_ragged_prefill_window_softcap(page):
     else:
         assert ragged.gluon_prefill_refusal(q, k, v, False, cfg) is None
         o, lse = attention_varlen(q, k, v, cu_q, cu_k, **opts)
-    check_ragged(o.cpu(), lse.cpu(), q.cpu(), [t.cpu() for t in k_seqs], [t.cpu() for t in v_seqs], q_lens, None,
-                 causal=True, window=(200, -1), cap=20.0)
+    check_ragged(o.cpu(), lse.cpu(), q.cpu(), [t.cpu() for t in k_seqs], [t.cpu() for t in v_seqs], q_lens,
+                 None if slopes is None else slopes.cpu(), causal=True, window=(200, -1), cap=20.0)
 
 
 @pytest.mark.gpu

@@ -181,7 +181,7 @@ from kernels.jit import gluon_fwd as kg
 from kernels import hopper
 
 dtype, has_kv_len, causal, d = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
-window, softcap = sys.argv[5] == "1", sys.argv[6] == "1"
+window, softcap, alibi = sys.argv[5] == "1", sys.argv[6] == "1", sys.argv[7] == "1"
 fn = kg.attn_fwd_ws
 t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 box = hopper.gluon_box(d)
@@ -189,10 +189,10 @@ block_n, o_in_q, regs = hopper.GLUON_TILES[box]
 sig = dict.fromkeys(fn.arg_names, "i32")
 for name, rows in dict(desc_q=64, desc_k=block_n, desc_v=block_n, desc_o=64).items():
     sig[name] = mangle_type(hopper._descriptor(t, rows, box))  # the launcher's own descriptors
-sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32", cap="fp32")
+sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32", cap="fp32", SLOPES="*fp32")
 consts = {}
 for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=regs, O_IN_Q=o_in_q,
-                        WINDOW=window, SOFTCAP=softcap).items():
+                        WINDOW=window, SOFTCAP=softcap, ALIBI=alibi).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
@@ -203,16 +203,18 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
 """
 
 
-@pytest.mark.parametrize("dtype,has_kv_len,causal,d,window,softcap", [
-    ("fp16", False, False, 128, False, False), ("bf16", True, False, 128, False, False),
-    ("fp16", True, True, 128, False, False), ("bf16", False, True, 128, False, False),
-    ("bf16", True, True, 96, False, False), ("fp16", False, False, 256, False, False),
-    ("bf16", True, True, 192, False, False), ("bf16", False, True, 128, True, True),
-    ("fp16", True, False, 256, True, False)])
-def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, tmp_path):
+@pytest.mark.parametrize("dtype,has_kv_len,causal,d,window,softcap,alibi", [
+    ("fp16", False, False, 128, False, False, False), ("bf16", True, False, 128, False, False, False),
+    ("fp16", True, True, 128, False, False, False), ("bf16", False, True, 128, False, False, False),
+    ("bf16", True, True, 96, False, False, False), ("fp16", False, False, 256, False, False, False),
+    ("bf16", True, True, 192, False, False, False), ("bf16", False, True, 128, True, True, False),
+    ("fp16", True, False, 256, True, False, False), ("bf16", False, True, 128, False, False, True),
+    ("fp16", True, False, 256, True, True, True)])
+def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, alibi, tmp_path):
     """Compiled for sm_90 with Triton's own ptxas, no GPU needed, at each tile D (96 pads to 128,
-    192 to 256), with and without a window and softcap."""
-    argv = [dtype, str(int(has_kv_len)), str(int(causal)), str(d), str(int(window)), str(int(softcap))]
+    192 to 256), with and without a window, softcap and ALiBi slopes (within the register budget)."""
+    argv = [dtype, str(int(has_kv_len)), str(int(causal)), str(d), str(int(window)), str(int(softcap)),
+            str(int(alibi))]
     shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
@@ -270,6 +272,12 @@ def test_gluon_path_rules(monkeypatch):
     flat = torch.empty(q.numel() + 1, dtype=q.dtype)
     assert not flash.gluon_path(flat[1:].view(q.shape), k, v, False, 1, 1), "a base off a 16-byte boundary"
     assert not flash.gluon_path(q[:0], k[:0], v[:0], False, 1, 1), "an empty batch"
+    from kernels.masks import Masks
+
+    slopes = Masks(alibi=torch.ones(1, 4))
+    assert not flash.gluon_path(q, k, v, True, 1, 1, masks=slopes), "ALiBi while hopper.GLUON_ALIBI is off"
+    monkeypatch.setattr(hopper, "GLUON_ALIBI", True)
+    assert flash.gluon_path(q, k, v, True, 1, 1, masks=slopes)
 
 
 _DECODE_COMPILE = """
@@ -389,10 +397,10 @@ fn = kr.ragged_prefill
 sig = dict.fromkeys(fn.arg_names, "i32")
 sig.update(desc_q=mangle_type(descs[0]), desc_k=mangle_type(descs[1]), desc_v=mangle_type(descs[2]),
            O="*" + dtype, LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", WORK="*i32", SEQ="*i32", BT="*i32",
-           qk_scale="fp32", cap="fp32")
+           qk_scale="fp32", cap="fp32", SLOPES="*fp32")
 consts = {}
 for name, value in dict(PAGED=bool(page), PAGE=max(page, 1), BLOCK_N=block_n, IS_CAUSAL=causal, CONSUMER_REGS=regs,
-                        WINDOW=masks, SOFTCAP=masks).items():
+                        WINDOW=masks, SOFTCAP=masks, ALIBI=masks).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
@@ -410,7 +418,8 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
 def test_ragged_prefill_kernel_compiles_for_hopper(dtype, d, page, causal, masks, tmp_path):
     """ragged_prefill (Gluon) compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``, over
     the descriptors the launch builds: varlen keys and pages (of 64 and 16 at D 128: a TMA copy per
-    page; of 64 at D 96: 64-key blocks), D 128 and 256 (96 pads to 128), with a window and softcap."""
+    page; of 64 at D 96: 64-key blocks), D 128 and 256 (96 pads to 128), with a window, softcap and
+    ALiBi slopes."""
     argv = [dtype, str(d), str(page), str(int(causal)), str(int(masks))]
     shared, has_ops = _compile_for_sm90(_RAGGED_PREFILL_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
@@ -419,7 +428,8 @@ def test_ragged_prefill_kernel_compiles_for_hopper(dtype, d, page, causal, masks
 
 def test_ragged_prefill_rules(monkeypatch):
     """ragged_prefill takes 16-bit prefill and chunk items planned in 128-row tiles at a head dim
-    attn_fwd_ws takes, varlen or in pages of a multiple of 64, windows and softcap but not ALiBi;
+    attn_fwd_ws takes, varlen or in pages of a multiple of 64, windows, softcap and ALiBi (where
+    hopper.GLUON_ALIBI);
     its key blocks are attn_fwd_ws's, or 64 keys where a page holds no more."""
     from kernels import ragged
     from kernels.masks import Masks
@@ -445,7 +455,10 @@ def test_ragged_prefill_rules(monkeypatch):
     strided = kp.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
     assert ragged.gluon_prefill_check(q, strided, vp, True, cfg)[0][2] == 64
     assert ragged.gluon_prefill_refusal(q, kp, vp, True, cfg, Masks(left=16, right=0, softcap=5.0)) is None
-    assert "alibi" in ragged.gluon_prefill_refusal(q, k, v, False, cfg, Masks(alibi=torch.ones(1, 32)))
+    slopes = Masks(alibi=torch.ones(1, 32))
+    assert "GLUON_ALIBI" in ragged.gluon_prefill_refusal(q, k, v, False, cfg, slopes)
+    monkeypatch.setattr(hopper, "GLUON_ALIBI", True)
+    assert ragged.gluon_prefill_refusal(q, k, v, False, cfg, slopes) is None
     small = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16)
     assert ragged.gluon_prefill_check(q, small, small, True, cfg)[0][0][1].block_shape == [16, 128]
     assert "page_tokens 16" in ragged.gluon_prefill_refusal(q[..., :96], small[..., :96], small[..., :96], True, cfg)
