@@ -569,6 +569,25 @@ def sweep(log) -> list[dict]:
     return rows
 
 
+def _keys(spec) -> int | str:
+    return spec if isinstance(spec, int) else f"{spec[0]}..{spec[1]}"
+
+
+def _decode_inputs(b: int, spec) -> tuple[list[int], int, list[torch.Tensor]]:
+    """A decode row's lengths, its K+V bytes and its query copies (rotated past L2)."""
+    lens = decode_lengths(b, spec, seed=b)
+    work = 2 * sum(lens) * HKV * D * DTYPE.itemsize
+    return lens, work, [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(n_copies(work))]
+
+
+def _paged_calls(qs: list[torch.Tensor], lens: list[int], page: int) -> tuple[list, list]:
+    """(the paged caches, one ``flash_ragged`` decode call over each), a cache per query copy."""
+    caches = [paged_cache(lens, page, seed=i) for i in range(len(qs))]
+    fns = [functools.partial(flash_ragged, qq, kp, vp, [1] * len(lens), lens, causal=True, scale=D ** -0.5,
+                             block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
+    return caches, fns
+
+
 def split_sweep(log, waves=(1, 2, 3, 4)) -> list[dict]:
     """The paged decode rows at each ``kernels.ragged.SPLIT_WAVES`` (how many waves of programs a
     short sequence's key splits fill): GB/s of K+V, device time, rotated inputs, plan cached."""
@@ -577,15 +596,10 @@ def split_sweep(log, waves=(1, 2, 3, 4)) -> list[dict]:
     shipped = rg.SPLIT_WAVES
     rows = []
     for b, spec in DECODE:
-        lens = decode_lengths(b, spec, seed=b)
-        work = 2 * sum(lens) * HKV * D * DTYPE.itemsize
-        copies = n_copies(work)
-        qs = [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+        lens, work, qs = _decode_inputs(b, spec)
         for page in PAGES:
-            caches = [paged_cache(lens, page, seed=i) for i in range(copies)]
-            fns = [functools.partial(flash_ragged, qq, kp, vp, [1] * b, lens, causal=True, scale=D ** -0.5,
-                                     block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
-            row: dict = {"B": b, "keys": spec if isinstance(spec, int) else f"{spec[0]}..{spec[1]}", "page": page}
+            caches, fns = _paged_calls(qs, lens, page)
+            row: dict = {"B": b, "keys": _keys(spec), "page": page}
             for w in waves:
                 rg.SPLIT_WAVES = w
                 rg.sequence_plan.cache_clear()
@@ -618,21 +632,15 @@ def pipeline_sweep(log, pipelines=PIPELINES) -> list[dict]:
     shipped = rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N
     rows = []
     for b, spec in DECODE:
-        lens = decode_lengths(b, spec, seed=b)
-        work = 2 * sum(lens) * HKV * D * DTYPE.itemsize
-        copies = n_copies(work)
-        qs = [torch.randn(b, HQ, D, device="cuda", dtype=DTYPE) for _ in range(copies)]
+        lens, work, qs = _decode_inputs(b, spec)
         n_max = max(lens)
         kvl = None if min(lens) == n_max else torch.tensor(lens, dtype=torch.int32, device="cuda")
         conts = [(qq.view(b, HQ, 1, D), torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE),
                   torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE)) for qq in qs]
         fns = [functools.partial(flash_forward, *t, causal=True, scale=D ** -0.5, kv_lengths=kvl) for t in conts]
-        row: dict = {"B": b, "keys": spec if isinstance(spec, int) else f"{spec[0]}..{spec[1]}",
-                     "contiguous": round(work / rotated_ms(fns) / 1e6)}
+        row: dict = {"B": b, "keys": _keys(spec), "contiguous": round(work / rotated_ms(fns) / 1e6)}
         del conts, fns
-        caches = [paged_cache(lens, 16, seed=i) for i in range(copies)]
-        fns = [functools.partial(flash_ragged, qq, kp, vp, [1] * b, lens, causal=True, scale=D ** -0.5,
-                                 block_table=t) for qq, (kp, vp, t, _) in zip(qs, caches, strict=True)]
+        caches, fns = _paged_calls(qs, lens, 16)
         ref = fns[0]()[0].float()
         try:
             for stages, block_n in pipelines:

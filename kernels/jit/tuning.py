@@ -9,7 +9,7 @@ each after an L2 flush, and the autotuner compares their medians.
 
 from __future__ import annotations
 
-import triton
+import triton.testing
 
 WARMUP_MS = 5
 REP_MS = 20
