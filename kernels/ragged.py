@@ -12,11 +12,11 @@ all, so no sequence is padded to the longest.
   program per (item, kv head).
 - "prefill" sequences (more rows): a program is BLOCK_M query rows of one head, a program per
   (item, head); causal tiles skip the key blocks in their future.
+- "chunk" sequences: prefill rows against at least twice as many keys (a chunked prefill against
+  its cache), the same program with smaller tiles, which the H200 runs faster on that shape.
 
 A launch's grid is one axis, heads fastest (program p: item p // heads, head p % heads): the plan
 lists prefill and chunk items longest first, so all heads of the longest items start first.
-- "chunk" sequences: prefill rows against at least twice as many keys (a chunked prefill against
-  its cache), the same program with smaller tiles, which the H200 runs faster on that shape.
 
 On Hopper the decode items of a paged call run ``paged_decode`` and the prefill and chunk items
 ``ragged_prefill`` (Gluon, TMA; both tiles 128 rows), where they take the call (``gluon_*_refusal``);
