@@ -40,6 +40,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from bench.report import md_table, write_png  # noqa: E402
 from bench.timing import graph_ms, rotated_ms  # noqa: E402
+from kernels import hopper_bwd  # noqa: E402
 from kernels import launch as launch_cache  # noqa: E402
 from kernels.autograd import flash_attention_autograd  # noqa: E402
 from kernels.flash import flash_forward  # noqa: E402
@@ -65,7 +66,11 @@ LONG = [("float16", 1, 8, 65536, 128, False), ("float16", 1, 8, 65536, 128, True
         ("float16", 1, 8, 131072, 128, False), ("float16", 1, 8, 131072, 128, True)]
 DECODE = [(1, 8192), (1, 32768), (1, 65536), (16, 8192), (16, 32768), (16, 65536)]  # (B, Nk)
 BACKWARD = [(1, 32, 2048, 128, False), (1, 32, 4096, 128, False), (1, 32, 4096, 128, True),
-            (2, 32, 2048, 64, True), (4, 32, 4096, 64, False), (4, 32, 4096, 64, True)]
+            (1, 16, 8192, 128, True), (2, 32, 2048, 64, True), (4, 32, 4096, 64, False),
+            (4, 32, 4096, 64, True)]
+# ours: what attention's backward runs by default; attn_bwd_ws with dQ's adds in order and unordered
+BWD_OURS = {"flash": {}, "gluon": dict(GLUON_BACKWARD=True, DETERMINISTIC=True),
+            "gluon_nondet": dict(GLUON_BACKWARD=True, DETERMINISTIC=False)}
 
 DEADLINE = [float("inf")]
 
@@ -236,13 +241,22 @@ def bench_decode(log):
 
 
 def time_backward(p, q, k, v, do, causal):
-    """(grads, backward-alone ms, forward+backward ms) for provider p."""
-    if p == "flash":
-        def fwd():
-            return flash_attention_autograd(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5)[0]
-    else:
-        def fwd():
-            return sdpa_fn(p, q, k, v, causal)
+    """(grads, backward-alone ms, forward+backward ms) for provider p (``BWD_OURS`` sets
+    ``kernels.hopper_bwd``'s switches for ours while it runs)."""
+    if p in BWD_OURS:
+        saved = {name: getattr(hopper_bwd, name) for name in BWD_OURS[p]}
+        for name, value in BWD_OURS[p].items():
+            setattr(hopper_bwd, name, value)
+        try:
+            return _time_backward(lambda: flash_attention_autograd(q, k, v, causal=causal,
+                                                                   scale=q.shape[-1] ** -0.5)[0], q, k, v, do)
+        finally:
+            for name, value in saved.items():
+                setattr(hopper_bwd, name, value)
+    return _time_backward(lambda: sdpa_fn(p, q, k, v, causal), q, k, v, do)
+
+
+def _time_backward(fwd, q, k, v, do):
     o = fwd()
     grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     ms_bwd = do_bench(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
@@ -265,7 +279,7 @@ def bench_backward(log):
         do = torch.randn_like(q)
         f = fwd_flops(b, h, n, n, d, causal)
         grads = {}
-        for p in ["flash", "sdpa_flash", "sdpa_cudnn"]:
+        for p in [*BWD_OURS, "sdpa_flash", "sdpa_cudnn"]:
             try:
                 grads[p], ms_bwd, ms_all = time_backward(p, q, k, v, do, causal)
                 row[p + "_bwd"] = round(2.5 * f / ms_bwd / 1e9)
@@ -326,10 +340,11 @@ def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
     parts += [md_table(["B", "Nk", *dec_cols, "flash err"],
                        [[r["B"], r["Nk"], *[r.get(p, r.get("skipped", "")) for p in dec_cols],
                          f"{r['flash_err']:.1e}" if "flash_err" in r else ""] for r in dec]), ""]
-    parts += ["## Backward", "", "bf16. bwd = backward alone (2.5x forward FLOPs); fwd+bwd = 3.5x. "
+    parts += ["## Backward", "", "bf16. bwd = backward alone (2.5x forward FLOPs); fwd+bwd = 3.5x. flash: "
+              "the default; gluon: attn_bwd_ws (Hopper) with dQ's adds in order; gluon_nondet: unordered. "
               "grad err = max over dq, dk, dv of ‖flash − sdpa_flash‖/‖sdpa_flash‖.", ""]
     bh = ["B", "H", "N", "D", "causal"]
-    cols = [f"{p}_{w}" for w in ("bwd", "fwdbwd") for p in ("flash", "sdpa_flash", "sdpa_cudnn")]
+    cols = [f"{p}_{w}" for w in ("bwd", "fwdbwd") for p in (*BWD_OURS, "sdpa_flash", "sdpa_cudnn")]
     parts += [md_table(bh + cols + ["grad err"],
                        [[r[c] for c in bh] + [r.get(c, r.get("skipped", "")) for c in cols] +
                         [f"{r['flash_grad_rel_err']:.1e}" if "flash_grad_rel_err" in r else ""]

@@ -2,8 +2,10 @@
 ``flash_forward`` and saves only q, k, v, o and the row LSE, and whose backward recomputes P block
 by block (``kernels/jit/flash_bwd.py``).
 
-The backward is deterministic: every dQ/dK/dV element is summed in one program's registers in a
-fixed order (no atomics), GQA's dK/dV sums over the group included.
+On Hopper, ``attn_bwd_ws`` (``kernels/hopper_bwd.py``) takes the 16-bit problems at D 64 and 128
+without kv_lengths or score modifiers; the Triton kernels take the rest. Both are deterministic by
+default: the Triton kernels sum every dQ/dK/dV element in one program's registers in a fixed order
+(no atomics), the Gluon kernel adds dQ's contributions in a fixed order.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import hopper_bwd
 from .flash import flash_forward
 from .jit import flash_bwd as kern
 from .launch import launch
@@ -30,12 +33,14 @@ def flash_backward(
     dev = q.device
     lse = lse.contiguous()
     delta = torch.empty(b, hq, n_q, dtype=torch.float32, device=dev)
-    dq = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
-    dk = torch.empty(b, hkv, n_k, d, dtype=k.dtype, device=dev)
-    dv = torch.empty(b, hkv, n_k, d, dtype=v.dtype, device=dev)
     bd = block_d(d)
     kern.bwd_preprocess[(triton.cdiv(n_q, 64), b * hq)](
         o, do, delta, *o.stride(), *do.stride(), hq, n_q, D=d, BLOCK_D=bd, BLOCK_M=64)
+    if hopper_bwd.bwd_refusal(q, k, v, kv_lengths, masks) is None:
+        return hopper_bwd.gluon_backward(do, q, k, v, lse, delta, causal=causal, scale=scale)
+    dq = torch.empty(b, hq, n_q, d, dtype=q.dtype, device=dev)
+    dk = torch.empty(b, hkv, n_k, d, dtype=k.dtype, device=dev)
+    dv = torch.empty(b, hkv, n_k, d, dtype=v.dtype, device=dev)
     kv_len = kv_length_arg(kv_lengths, n_k, dev)
     slopes, stride_ab, stride_ah = alibi_arg(masks, dev)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), stride_ab, stride_ah)

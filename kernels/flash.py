@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import hopper
 from .hopper import (
     _16BIT,
     _recipe,
@@ -90,8 +89,7 @@ def flash_forward(
     masked = masks.active
     split = pack > 1 or splits > 1
     if tma is not False and gluon and not interpreting() and (
-            (split and not masked) or (not split and (masks.alibi is None or hopper.GLUON_ALIBI)
-                                       and gluon_box(d) is not None
+            (split and not masked) or (not split and gluon_box(d) is not None
                                        and q.dtype in _16BIT and (tma or gluon_sizes(n_q, n_k, causal)))):
         recipe = _recipe(q, k, v, kv_lengths, causal, num_splits, tma, pack, splits, kps, masks)
         if recipe is not None:

@@ -38,9 +38,6 @@ GLUON_MIN_N_CAUSAL = 2048
 # docs/benchmarks/kernels.md#prefill; at D 128, 64 keys a block is slower than 128
 GLUON_TILES: dict[int, tuple[int, bool, int]] = {128: (128, False, 232), 256: (64, True, 240)}
 GLUON_MIN_D = 72  # from D 64 down, attn_fwd_tma (D 64) and attn_fwd are as fast
-# ALiBi slopes in attn_fwd_ws and ragged_prefill: compiled for sm_90 by the CPU tests, their numerics
-# not yet checked on a GPU (the gpu tests turn it on); off, ALiBi calls run the Triton kernels
-GLUON_ALIBI = False
 _GLUON_BLOCK_N = GLUON_TILES[128][0]
 _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -113,12 +110,10 @@ def gluon_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   sizes: bool = True, masks: Masks = NO_MASKS) -> str | None:
     """Why ``attn_fwd_ws`` does not serve this problem, or None when it does: 16-bit prefill on
     Hopper at a head dim ``gluon_box`` takes, causal or not, strides a host TMA descriptor takes
-    (``_descriptor_ok``); a sliding window, softcap and ALiBi slopes (where ``GLUON_ALIBI``).
+    (``_descriptor_ok``); a sliding window, softcap and ALiBi slopes.
     ``sizes=False`` skips the length thresholds (tests)."""
     if pack != 1 or splits != 1:
         return _DECODE_PLAN
-    if masks.alibi is not None and not GLUON_ALIBI:
-        return "alibi_slopes (hopper.GLUON_ALIBI is off)"
     if q.dtype not in _16BIT:
         return _NOT_16BIT
     if gluon_box(q.shape[-1]) is None:
@@ -441,7 +436,7 @@ def _recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, tma: bool
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
            kv_lengths is None, num_splits, tma, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
            masks.window, masks.softcap > 0, masks.alibi is None, left == 1, left % 16, right == 1, right % 16,
-           slopes.data_ptr() % 16, stride_as in (0, 1), stride_as % 16, stride_ah == 1, stride_ah % 16, GLUON_ALIBI)
+           slopes.data_ptr() % 16, stride_as in (0, 1), stride_as % 16, stride_ah == 1, stride_ah % 16)
     try:
         return _recipes[key]
     except KeyError:

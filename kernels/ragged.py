@@ -565,8 +565,6 @@ def _gluon_prefill_check(q, k, v, paged: bool, cfg: Config, masks: Masks) -> tup
 
     if not GLUON_PREFILL:
         return None, "ragged.GLUON_PREFILL is off"
-    if masks.alibi is not None and not hopper.GLUON_ALIBI:
-        return None, "alibi_slopes (hopper.GLUON_ALIBI is off)"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return None, "not float16/bfloat16"
     d = q.shape[-1]

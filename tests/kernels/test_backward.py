@@ -122,3 +122,138 @@ def test_gpu_auto_backward_and_determinism():
     a = grads(kernels.attention, q, k, v, do, causal=True)
     b = grads(kernels.attention, q, k, v, do, causal=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# ---------------------------------------------------------------- the Hopper backward (attn_bwd_ws)
+# Triton's interpreter cannot run Gluon: the CPU checks that it compiles for sm_90 and which problems
+# it takes; the GPU its numerics.
+
+_BWD_COMPILE = """
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from kernels.jit import gluon_bwd as kb
+from kernels import hopper, hopper_bwd
+
+dtype, causal, d, det = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
+fn = kb.attn_bwd_ws
+t = torch.empty(1, 1, 256, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
+sig = dict.fromkeys(fn.arg_names, "i32")
+for name, rows in dict(desc_q=kb.BLOCK_M, desc_do=kb.BLOCK_M, desc_k=kb.BLOCK_N, desc_v=kb.BLOCK_N).items():
+    sig[name] = mangle_type(hopper._descriptor(t, rows))  # the launcher's own descriptors
+ptr = "*" + dtype
+sig.update(LSE="*fp32", DELTA="*fp32", DQ_ACC="*fp32", SEM="*i32", DK=ptr, DV=ptr, qk_scale="fp32", scale="fp32")
+consts = {}
+for name, value in dict(IS_CAUSAL=causal, DETERMINISTIC=det, CONSUMER_REGS=hopper_bwd.CONSUMER_REGS).items():
+    sig[name] = "constexpr"
+    consts[(fn.arg_names.index(name),)] = value
+compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = compiled.asm["ptx"]
+ops = ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg", "atom.global.gpu.relaxed.add.f32")
+print(compiled.metadata.shared, all(op in ptx for op in ops), "ld.global.gpu.acquire" in ptx)
+"""
+
+
+@pytest.mark.parametrize("dtype,causal,d,det", [("bf16", False, 128, True), ("fp16", True, 128, True),
+                                                ("bf16", True, 64, False), ("fp16", False, 64, True)])
+def test_gluon_backward_compiles_for_hopper(dtype, causal, d, det, tmp_path):
+    """attn_bwd_ws compiled for sm_90 with Triton's own ptxas, no GPU needed: wgmma, TMA, the
+    register split and dQ's atomic adds in the PTX, the semaphore's acquire only when DETERMINISTIC."""
+    from test_triton_forward import _compile_for_sm90
+
+    shared, has_ops, spins = _compile_for_sm90(_BWD_COMPILE, [dtype, str(int(causal)), str(d), str(int(det))],
+                                               tmp_path)
+    assert has_ops == "True", "expected wgmma, 4-D TMA copies, setmaxnreg and fp32 atomic adds in the PTX"
+    assert spins == str(det)
+    assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
+
+
+def test_gluon_backward_rules(monkeypatch):
+    """Where GLUON_BACKWARD is on: 16-bit at D 64 or 128 on Hopper, no kv_lengths or score modifiers,
+    min(Nq, Nk) >= BWD_MIN_N unless sizes=False, strides a host descriptor takes."""
+    from kernels import hopper, hopper_bwd, launch
+    from kernels.masks import Masks
+
+    q, k, v = (torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    assert hopper_bwd.bwd_refusal(q, k, v, None) == "hopper_bwd.GLUON_BACKWARD is off"
+    monkeypatch.setattr(hopper_bwd, "GLUON_BACKWARD", True)
+    assert hopper_bwd.bwd_refusal(q, k, v, None) in ("not sm_90", "Triton's interpreter cannot run Gluon")
+    monkeypatch.setattr(hopper, "_hopper", lambda device: True)
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
+    assert hopper_bwd.bwd_refusal(q, k, v, None) is None
+    assert hopper_bwd.bwd_refusal(q[..., :64], k[..., :64], v[..., :64], None) is None
+    assert "head_dim 96" in hopper_bwd.bwd_refusal(q[..., :96], k[..., :96], v[..., :96], None)
+    assert hopper_bwd.bwd_refusal(q.float(), k.float(), v.float(), None) == "not float16/bfloat16"
+    assert hopper_bwd.bwd_refusal(q, k, v, torch.ones(2, dtype=torch.int32)) == "kv_lengths"
+    assert "window" in hopper_bwd.bwd_refusal(q, k, v, None, Masks(left=8, right=0))
+    short = q[:, :, :hopper_bwd.BWD_MIN_N - 1]
+    assert hopper_bwd.bwd_refusal(short, k, v, None) == "min(Nq, Nk) < BWD_MIN_N"
+    assert hopper_bwd.bwd_refusal(short, k, v, None, sizes=False) is None
+    assert "k:" in hopper_bwd.bwd_refusal(q, k[:1].expand(2, -1, -1, -1), v, None), "stride 0 over B"
+    assert hopper_bwd.bwd_refusal(q[:0], k[:0], v[:0], None).startswith("an empty tensor")
+
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, kv_lengths): awkward sizes for the Gluon backward's blocks (64
+# query rows a step, 128 keys a program, 64 a warpgroup)
+GLUON_BWD_CASES = {
+    "d128_gqa_ragged": (2, 4, 2, 1000, 1000, 128, False, None),   # 1000: a ragged last query and key block
+    "d128_causal": (1, 4, 4, 1000, 1000, 128, True, None),
+    "d64_chunk_causal": (1, 8, 2, 200, 1100, 64, True, None),     # bottom-right: 200 rows at the end of 1100 keys
+    "d64_rows_without_keys": (1, 2, 1, 700, 300, 64, True, None),  # the first 400 rows see no key
+    "d128_few_rows": (1, 2, 1, 130, 2000, 128, False, None),      # 16 key blocks on 3 query blocks: ranks tie
+    "d64_causal_mqa": (1, 6, 1, 777, 777, 64, True, None),        # 6 query heads summed into one kv head
+}
+
+
+@pytest.fixture
+def gluon_bwd_calls(monkeypatch):
+    """Runs attn_bwd_ws (on) on any length (BWD_MIN_N 1); the list of its calls' deterministic flags."""
+    from kernels import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "GLUON_BACKWARD", True)
+    monkeypatch.setattr(hopper_bwd, "BWD_MIN_N", 1)
+    calls, real = [], hopper_bwd.gluon_backward
+
+    def spy(*args, **kw):
+        calls.append(hopper_bwd.DETERMINISTIC if kw.get("deterministic") is None else kw["deterministic"])
+        return real(*args, **kw)
+    monkeypatch.setattr(hopper_bwd, "gluon_backward", spy)
+    return calls
+
+
+hopper_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                 reason="the Gluon backward runs on Hopper (sm_90) only")
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("det", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(GLUON_BWD_CASES))
+def test_gpu_gluon_backward(name, dtype, det, gluon_bwd_calls, monkeypatch):
+    """attn_bwd_ws against float64 autograd of the reference (the error budget), both dQ orders."""
+    from kernels import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "DETERMINISTIC", det)
+    check_grads(flash_attention_autograd, GLUON_BWD_CASES[name], dtype, "cuda", slack=2e-3)
+    assert gluon_bwd_calls == [det], "attn_bwd_ws did not run"
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("name", ["d128_gqa_ragged", "d64_chunk_causal", "d128_few_rows"])
+def test_gpu_gluon_backward_is_deterministic_and_batch_invariant(name, gluon_bwd_calls):
+    """Deterministic dQ: two runs bit for bit alike, and each batch element's gradients bit for bit
+    those of the element alone."""
+    b, hq, hkv, n_q, n_k, d, causal, _ = GLUON_BWD_CASES[name]
+    q, k, v, causal, scale, _ = make((3, hq, hkv, n_q, n_k, d, causal, None), torch.bfloat16, "cuda")
+    do = torch.randn_like(q)
+    kw = dict(causal=causal, scale=scale)
+    first = grads(flash_attention_autograd, q, k, v, do, **kw)
+    again = grads(flash_attention_autograd, q, k, v, do, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(first, again, strict=True))
+    alone = grads(flash_attention_autograd, q[1:2], k[1:2], v[1:2], do[1:2], **kw)
+    assert all(torch.equal(x[1:2], y) for x, y in zip(first, alone, strict=True))
+    assert gluon_bwd_calls == [True, True, True]

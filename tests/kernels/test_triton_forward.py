@@ -275,8 +275,6 @@ def test_gluon_path_rules(monkeypatch):
     from kernels.masks import Masks
 
     slopes = Masks(alibi=torch.ones(1, 4))
-    assert not flash.gluon_path(q, k, v, True, 1, 1, masks=slopes), "ALiBi while hopper.GLUON_ALIBI is off"
-    monkeypatch.setattr(hopper, "GLUON_ALIBI", True)
     assert flash.gluon_path(q, k, v, True, 1, 1, masks=slopes)
 
 
@@ -428,8 +426,7 @@ def test_ragged_prefill_kernel_compiles_for_hopper(dtype, d, page, causal, masks
 
 def test_ragged_prefill_rules(monkeypatch):
     """ragged_prefill takes 16-bit prefill and chunk items planned in 128-row tiles at a head dim
-    attn_fwd_ws takes, varlen or in pages of a multiple of 64, windows, softcap and ALiBi (where
-    hopper.GLUON_ALIBI);
+    attn_fwd_ws takes, varlen or in pages of a multiple of 64, windows, softcap and ALiBi;
     its key blocks are attn_fwd_ws's, or 64 keys where a page holds no more."""
     from kernels import ragged
     from kernels.masks import Masks
@@ -456,8 +453,6 @@ def test_ragged_prefill_rules(monkeypatch):
     assert ragged.gluon_prefill_check(q, strided, vp, True, cfg)[0][2] == 64
     assert ragged.gluon_prefill_refusal(q, kp, vp, True, cfg, Masks(left=16, right=0, softcap=5.0)) is None
     slopes = Masks(alibi=torch.ones(1, 32))
-    assert "GLUON_ALIBI" in ragged.gluon_prefill_refusal(q, k, v, False, cfg, slopes)
-    monkeypatch.setattr(hopper, "GLUON_ALIBI", True)
     assert ragged.gluon_prefill_refusal(q, k, v, False, cfg, slopes) is None
     small = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16)
     assert ragged.gluon_prefill_check(q, small, small, True, cfg)[0][0][1].block_shape == [16, 128]
