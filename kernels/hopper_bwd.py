@@ -24,7 +24,8 @@ GLUON_BACKWARD = False
 DETERMINISTIC = os.environ.get("ATTNSERVE_BWD_DETERMINISTIC", "1") != "0"
 BWD_HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240
-# Nq and Nk from which attn_bwd_ws beats the Triton kernels (docs/benchmarks/kernels.md#backward)
+# below this Nq or Nk a program has too few steps to fill its pipeline: the Triton kernels keep
+# short backwards (a floor not yet measured; the tests lift it)
 BWD_MIN_N = 512
 
 
