@@ -22,7 +22,9 @@ dQ_i gets a contribution from every key block: each is added to a float32 buffer
 contributions made, and a program adds its own only when the count equals its rank in a fixed
 order (``_rank``), so the sum is bit for bit the same on every run. The order is the one programs
 running side by side reach the block in (non-causal: program j starts at query block j and wraps
-around; causal: the later key blocks start nearer the diagonal), so in step they never wait.
+around; causal: the later key blocks start nearer the diagonal), so programs in step need not
+wait. The adds (one ``atom.add.f32`` an element, on the consumers' path) are what hold the kernel
+back: docs/benchmarks/kernels.md#backward.
 """
 
 from __future__ import annotations
