@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gluon_fwd import _box
+
 BLOCK_M = 64   # query rows a step
 BLOCK_N = 128  # keys a program: two consumer warpgroups of 64
 
@@ -77,12 +79,6 @@ def _rank(j, i, n_j, N_Q, N_K, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, B
         else:
             low = gl.minimum(i + 1, extra) + gl.maximum(extra - (n_m + lo), 0)
         return step * per + low + j // n_m
-
-
-@gluon.jit
-def _box(tile, desc):
-    """A (rows, D) tile of shared memory seen as the descriptor's (1, 1, rows, D) box."""
-    return tile._reinterpret(tile.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
