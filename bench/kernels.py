@@ -67,10 +67,13 @@ LONG = [("float16", 1, 8, 65536, 128, False), ("float16", 1, 8, 65536, 128, True
 DECODE = [(1, 8192), (1, 32768), (1, 65536), (16, 8192), (16, 32768), (16, 65536)]  # (B, Nk)
 BACKWARD = [(1, 32, 2048, 128, False), (1, 32, 4096, 128, False), (1, 32, 4096, 128, True),
             (1, 16, 8192, 128, True), (2, 32, 2048, 64, True), (4, 32, 4096, 64, False),
-            (4, 32, 4096, 64, True)]
-# ours: what attention's backward runs by default; attn_bwd_ws with dQ's adds in order and unordered
-BWD_OURS = {"flash": {}, "gluon": dict(GLUON_BACKWARD=True, DETERMINISTIC=True),
-            "gluon_nondet": dict(GLUON_BACKWARD=True, DETERMINISTIC=False)}
+            (4, 32, 4096, 64, True), (2, 32, 1024, 128, False)]
+# ours: what attention's backward runs by default (attn_bwd_ws where bwd_refusal lets it, with dQ's
+# adds in order); the Triton kernels alone; attn_bwd_ws on every shape it can take, adds in order
+# and unordered
+_ANY_SIZE = dict(GLUON_BACKWARD=True, BWD_HEAD_DIMS=(64, 128), BWD_MIN_N=1)
+BWD_OURS = {"flash": {}, "triton": dict(GLUON_BACKWARD=False), "gluon": dict(_ANY_SIZE, DETERMINISTIC=True),
+            "gluon_nondet": dict(_ANY_SIZE, DETERMINISTIC=False)}
 
 DEADLINE = [float("inf")]
 
@@ -341,7 +344,9 @@ def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
                        [[r["B"], r["Nk"], *[r.get(p, r.get("skipped", "")) for p in dec_cols],
                          f"{r['flash_err']:.1e}" if "flash_err" in r else ""] for r in dec]), ""]
     parts += ["## Backward", "", "bf16. bwd = backward alone (2.5x forward FLOPs); fwd+bwd = 3.5x. flash: "
-              "the default; gluon: attn_bwd_ws (Hopper) with dQ's adds in order; gluon_nondet: unordered. "
+              "the default (attn_bwd_ws where hopper_bwd.bwd_refusal lets it, else the Triton kernels); triton: "
+              "the Triton kernels alone; gluon: attn_bwd_ws (Hopper) on every shape, dQ's adds in order; "
+              "gluon_nondet: unordered. "
               "grad err = max over dq, dk, dv of ‖flash − sdpa_flash‖/‖sdpa_flash‖.", ""]
     bh = ["B", "H", "N", "D", "causal"]
     cols = [f"{p}_{w}" for w in ("bwd", "fwdbwd") for p in (*BWD_OURS, "sdpa_flash", "sdpa_cudnn")]

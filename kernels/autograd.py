@@ -2,11 +2,11 @@
 ``flash_forward`` and saves only q, k, v, o and the row LSE, and whose backward recomputes P block
 by block (``kernels/jit/flash_bwd.py``).
 
-The Triton kernels take every backward; on Hopper, where ``hopper_bwd.GLUON_BACKWARD`` is on (off
-by default), ``attn_bwd_ws`` (``kernels/hopper_bwd.py``) takes the 16-bit problems at D 64 and 128
-without kv_lengths or score modifiers. Both are deterministic by default: the Triton kernels sum
-every dQ/dK/dV element in one program's registers in a fixed order (no atomics), the Gluon kernel
-adds dQ's contributions in a fixed order.
+On Hopper ``attn_bwd_ws`` (``kernels/hopper_bwd.py``) takes the problems ``bwd_refusal`` lets
+through (16-bit, D 128, 2048 rows and keys or more, no kv_lengths or score modifiers); the Triton
+kernels take every other. Both are deterministic by default: the Triton kernels sum every
+dQ/dK/dV element in one program's registers in a fixed order (no atomics), the Gluon kernel adds
+dQ's shares in a fixed order.
 """
 
 from __future__ import annotations

@@ -12,27 +12,33 @@ import os
 
 import torch
 
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
 from . import hopper
 from .jit import gluon_bwd as kern
 from .launch import interpreting, launch_plain
 from .masks import NO_MASKS, Masks
 from .plan import _cdiv
 
-# attn_bwd_ws serves backwards only where this is on: off while it is slower than the Triton
-# kernels with dQ's adds in order (docs/benchmarks/kernels.md#backward)
-GLUON_BACKWARD = False
+# attn_bwd_ws serves the backwards bwd_refusal lets through while this is on (the switch for
+# jit/gluon_ext.py too)
+GLUON_BACKWARD = True
 DETERMINISTIC = os.environ.get("ATTNSERVE_BWD_DETERMINISTIC", "1") != "0"
-BWD_HEAD_DIMS = (64, 128)
+# the kernel takes D 64 and 128; at D 64 the Triton kernels are as fast or faster
+# (docs/benchmarks/kernels.md#backward), so they keep it
+BWD_HEAD_DIMS = (128,)
+_F32_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
 CONSUMER_REGS = 240
-# below this Nq or Nk a program has too few steps to fill its pipeline: the Triton kernels keep
-# short backwards (a floor not yet measured; the tests lift it)
-BWD_MIN_N = 512
+# below this Nq or Nk the Triton kernels are faster (1x32x1024x128 ran slower on attn_bwd_ws, 2048
+# faster: docs/benchmarks/kernels.md#backward); the tests lift it
+BWD_MIN_N = 2048
 
 
 def bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor | None,
                 masks: Masks = NO_MASKS, sizes: bool = True) -> str | None:
     """Why ``attn_bwd_ws`` does not serve this backward, or None when it does: 16-bit on Hopper at
-    D 64 or 128, no kv_lengths and no score modifiers (the Triton backward takes those), q, k and
+    a D of BWD_HEAD_DIMS, no kv_lengths and no score modifiers (the Triton backward takes those), q, k and
     v that host TMA descriptors take. ``sizes=False`` skips the length threshold (tests)."""
     if not GLUON_BACKWARD:
         return "hopper_bwd.GLUON_BACKWARD is off"
@@ -43,7 +49,7 @@ def bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: t
     if q.dtype not in hopper._16BIT:
         return hopper._NOT_16BIT
     if q.shape[-1] not in BWD_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} is not 64 or 128"
+        return f"head_dim {q.shape[-1]} is not one of BWD_HEAD_DIMS {BWD_HEAD_DIMS}"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor (a TMA descriptor has no empty dims)"
     if interpreting():
@@ -56,6 +62,13 @@ def bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: t
         if not hopper._descriptor_ok(t):
             return f"{name}: a descriptor not 16-byte aligned, or a stride TMA cannot say"
     return None
+
+
+def _dq_descriptor(dq_acc: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over the float32 dQ (B, Hq, Nq, D), contiguous, in each consumer
+    warpgroup's boxes of (1, 1, BLOCK_M, D / 2)."""
+    return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()),
+                            [1, 1, kern.BLOCK_M, dq_acc.shape[-1] // 2], _F32_BOX_LAYOUT)
 
 
 def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
@@ -74,7 +87,7 @@ def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dv = torch.empty(b, hkv, n_k, d, dtype=v.dtype, device=q.device)
     args = (hopper._descriptor(q, kern.BLOCK_M), hopper._descriptor(do, kern.BLOCK_M),
             hopper._descriptor(k, kern.BLOCK_N), hopper._descriptor(v, kern.BLOCK_N),
-            lse, delta, dq_acc, sem, dk, dv, hq, hkv, hq // hkv, n_q, n_k, scale * 1.4426950408889634, scale)
+            lse, delta, _dq_descriptor(dq_acc), sem, dk, dv, hq, hkv, hq // hkv, n_q, n_k, scale * 1.4426950408889634, scale)
     grid = (_cdiv(n_k, kern.BLOCK_N), b * hkv)
     launch_plain(kern.attn_bwd_ws, grid, args,
                  dict(IS_CAUSAL=bool(causal), DETERMINISTIC=det, CONSUMER_REGS=CONSUMER_REGS), num_warps=4)

@@ -142,8 +142,9 @@ t = torch.empty(1, 1, 256, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16
 sig = dict.fromkeys(fn.arg_names, "i32")
 for name, rows in dict(desc_q=kb.BLOCK_M, desc_do=kb.BLOCK_M, desc_k=kb.BLOCK_N, desc_v=kb.BLOCK_N).items():
     sig[name] = mangle_type(hopper._descriptor(t, rows))  # the launcher's own descriptors
+sig["desc_dq"] = mangle_type(hopper_bwd._dq_descriptor(torch.empty(1, 1, 256, d)))
 ptr = "*" + dtype
-sig.update(LSE="*fp32", DELTA="*fp32", DQ_ACC="*fp32", SEM="*i32", DK=ptr, DV=ptr, qk_scale="fp32", scale="fp32")
+sig.update(LSE="*fp32", DELTA="*fp32", SEM="*i32", DK=ptr, DV=ptr, qk_scale="fp32", scale="fp32")
 consts = {}
 for name, value in dict(IS_CAUSAL=causal, DETERMINISTIC=det, CONSUMER_REGS=hopper_bwd.CONSUMER_REGS).items():
     sig[name] = "constexpr"
@@ -151,8 +152,12 @@ for name, value in dict(IS_CAUSAL=causal, DETERMINISTIC=det, CONSUMER_REGS=hoppe
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 ptx = compiled.asm["ptx"]
-ops = ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg", "atom.global.gpu.relaxed.add.f32")
-print(compiled.metadata.shared, all(op in ptx for op in ops), "ld.global.gpu.acquire" in ptx)
+ops = ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add")
+ordered = ("ld.global.gpu.acquire", "cp.async.bulk.wait_group 0;")
+print(compiled.metadata.shared, all(op in ptx for op in ops), all(op in ptx for op in ordered),
+      any(op in ptx for op in ordered))
+if len(sys.argv) > 5:
+    open(sys.argv[5], "w").write(ptx)
 """
 
 
@@ -160,29 +165,31 @@ print(compiled.metadata.shared, all(op in ptx for op in ops), "ld.global.gpu.acq
                                                 ("bf16", True, 64, False), ("fp16", False, 64, True)])
 def test_gluon_backward_compiles_for_hopper(dtype, causal, d, det, tmp_path):
     """attn_bwd_ws compiled for sm_90 with Triton's own ptxas, no GPU needed: wgmma, TMA, the
-    register split and dQ's atomic adds in the PTX, the semaphore's acquire only when DETERMINISTIC."""
+    register split and dQ's TMA reduce-adds in the PTX; the semaphore's acquire and the wait for the
+    adds to land only when DETERMINISTIC."""
     from test_triton_forward import _compile_for_sm90
 
-    shared, has_ops, spins = _compile_for_sm90(_BWD_COMPILE, [dtype, str(int(causal)), str(d), str(int(det))],
-                                               tmp_path)
-    assert has_ops == "True", "expected wgmma, 4-D TMA copies, setmaxnreg and fp32 atomic adds in the PTX"
-    assert spins == str(det)
+    shared, has_ops, all_ordered, any_ordered = _compile_for_sm90(
+        _BWD_COMPILE, [dtype, str(int(causal)), str(d), str(int(det))], tmp_path)
+    assert has_ops == "True", "expected wgmma, 4-D TMA copies, setmaxnreg and fp32 TMA reduce-adds in the PTX"
+    assert all_ordered == any_ordered == str(det)
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
 
 
 def test_gluon_backward_rules(monkeypatch):
-    """Where GLUON_BACKWARD is on: 16-bit at D 64 or 128 on Hopper, no kv_lengths or score modifiers,
-    min(Nq, Nk) >= BWD_MIN_N unless sizes=False, strides a host descriptor takes."""
+    """Where GLUON_BACKWARD is on (the default): 16-bit at D 128 on Hopper (D 64 where
+    BWD_HEAD_DIMS holds it), no kv_lengths or score modifiers, min(Nq, Nk) >= BWD_MIN_N unless
+    sizes=False, strides a host descriptor takes."""
     from kernels import hopper, hopper_bwd, launch
     from kernels.masks import Masks
 
-    q, k, v = (torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
-    assert hopper_bwd.bwd_refusal(q, k, v, None) == "hopper_bwd.GLUON_BACKWARD is off"
-    monkeypatch.setattr(hopper_bwd, "GLUON_BACKWARD", True)
+    q, k, v = (torch.empty(2, 4, 2048, 128, dtype=torch.bfloat16) for _ in range(3))
     assert hopper_bwd.bwd_refusal(q, k, v, None) in ("not sm_90", "Triton's interpreter cannot run Gluon")
     monkeypatch.setattr(hopper, "_hopper", lambda device: True)
     monkeypatch.setattr(launch, "_INTERPRETED", False)
     assert hopper_bwd.bwd_refusal(q, k, v, None) is None
+    assert "head_dim 64" in hopper_bwd.bwd_refusal(q[..., :64], k[..., :64], v[..., :64], None)
+    monkeypatch.setattr(hopper_bwd, "BWD_HEAD_DIMS", (64, 128))
     assert hopper_bwd.bwd_refusal(q[..., :64], k[..., :64], v[..., :64], None) is None
     assert "head_dim 96" in hopper_bwd.bwd_refusal(q[..., :96], k[..., :96], v[..., :96], None)
     assert hopper_bwd.bwd_refusal(q.float(), k.float(), v.float(), None) == "not float16/bfloat16"
@@ -193,6 +200,8 @@ def test_gluon_backward_rules(monkeypatch):
     assert hopper_bwd.bwd_refusal(short, k, v, None, sizes=False) is None
     assert "k:" in hopper_bwd.bwd_refusal(q, k[:1].expand(2, -1, -1, -1), v, None), "stride 0 over B"
     assert hopper_bwd.bwd_refusal(q[:0], k[:0], v[:0], None).startswith("an empty tensor")
+    monkeypatch.setattr(hopper_bwd, "GLUON_BACKWARD", False)
+    assert hopper_bwd.bwd_refusal(q, k, v, None) == "hopper_bwd.GLUON_BACKWARD is off"
 
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, kv_lengths): awkward sizes for the Gluon backward's blocks (64
@@ -209,11 +218,13 @@ GLUON_BWD_CASES = {
 
 @pytest.fixture
 def gluon_bwd_calls(monkeypatch):
-    """Runs attn_bwd_ws (on) on any length (BWD_MIN_N 1); the list of its calls' deterministic flags."""
+    """Runs attn_bwd_ws on any length (BWD_MIN_N 1) and at D 64 too; the list of its calls'
+    deterministic flags."""
     from kernels import hopper_bwd
 
     monkeypatch.setattr(hopper_bwd, "GLUON_BACKWARD", True)
     monkeypatch.setattr(hopper_bwd, "BWD_MIN_N", 1)
+    monkeypatch.setattr(hopper_bwd, "BWD_HEAD_DIMS", (64, 128))
     calls, real = [], hopper_bwd.gluon_backward
 
     def spy(*args, **kw):
