@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -87,7 +86,8 @@ def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dv = torch.empty(b, hkv, n_k, d, dtype=v.dtype, device=q.device)
     args = (hopper._descriptor(q, kern.BLOCK_M), hopper._descriptor(do, kern.BLOCK_M),
             hopper._descriptor(k, kern.BLOCK_N), hopper._descriptor(v, kern.BLOCK_N),
-            lse, delta, _dq_descriptor(dq_acc), sem, dk, dv, hq, hkv, hq // hkv, n_q, n_k, scale * 1.4426950408889634, scale)
+            lse, delta, _dq_descriptor(dq_acc), sem, dk, dv, hq, hkv, hq // hkv, n_q, n_k,
+            scale * 1.4426950408889634, scale)
     grid = (_cdiv(n_k, kern.BLOCK_N), b * hkv)
     launch_plain(kern.attn_bwd_ws, grid, args,
                  dict(IS_CAUSAL=bool(causal), DETERMINISTIC=det, CONSUMER_REGS=CONSUMER_REGS), num_warps=4)

@@ -152,7 +152,8 @@ for name, value in dict(IS_CAUSAL=causal, DETERMINISTIC=det, CONSUMER_REGS=hoppe
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 ptx = compiled.asm["ptx"]
-ops = ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add")
+ops = ("wgmma.mma_async", "cp.async.bulk.tensor.4d", "setmaxnreg",
+       "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add")
 ordered = ("ld.global.gpu.acquire", "cp.async.bulk.wait_group 0;")
 print(compiled.metadata.shared, all(op in ptx for op in ops), all(op in ptx for op in ordered),
       any(op in ptx for op in ordered))
