@@ -269,3 +269,25 @@ def test_gpu_gluon_backward_is_deterministic_and_batch_invariant(name, gluon_bwd
     alone = grads(flash_attention_autograd, q[1:2], k[1:2], v[1:2], do[1:2], **kw)
     assert all(torch.equal(x[1:2], y) for x, y in zip(first, alone, strict=True))
     assert gluon_bwd_calls == [True, True, True]
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_gpu_default_backward_runs_gluon_where_it_is_faster(monkeypatch):
+    """With nothing lifted, a 16-bit D 128 backward of 2048 rows and keys runs attn_bwd_ws, in order,
+    within the error budget; D 64 and 1024 rows stay on the Triton kernels."""
+    from kernels import hopper_bwd
+
+    calls, real = [], hopper_bwd.gluon_backward
+    monkeypatch.setattr(hopper_bwd, "gluon_backward", lambda *a, **kw: calls.append(q_len(a)) or real(*a, **kw))
+    check_grads(flash_attention_autograd, (1, 4, 2, 2048, 2048, 128, True, None), torch.bfloat16, "cuda", slack=2e-3)
+    assert calls == [2048], "the default backward did not run attn_bwd_ws"
+    check_grads(flash_attention_autograd, (1, 4, 2, 2048, 2048, 64, True, None), torch.bfloat16, "cuda", slack=2e-3)
+    check_grads(flash_attention_autograd, (1, 4, 2, 1024, 1024, 128, False, None), torch.bfloat16, "cuda",
+                slack=2e-3)
+    assert calls == [2048], "D 64 and 1024 rows belong to the Triton kernels"
+
+
+def q_len(args) -> int:
+    """Nq of gluon_backward's positional (do, q, k, v, ...)."""
+    return args[1].shape[2]
