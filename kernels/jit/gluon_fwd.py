@@ -23,7 +23,9 @@ D 128 (see docs/benchmarks/kernels.md#prefill).
 
 Head dims: the tile's D is the descriptors' box (64, 128 or 256); a head dim below it (80, 96,
 192, ...) is read with zeros past its end (TMA fills a box past the tensor with zeros) and its O
-store is clipped there, so the padded columns add zeros to S and write nothing. At a box of 256
+store is clipped there, so the padded columns add zeros to S and write nothing. ``SPLIT`` runs a
+head dim of 192 in the 256 tile without the padded columns' work: Q Kᵀ and P V as two GEMMs each,
+over columns [0, 128) and [128, 192) (hopper.GLUON_SPLIT_192 switches it on). At a box of 256
 two Q tiles, two O tiles and two K and V stages do not fit in shared memory, so O leaves through
 its warpgroup's Q buffer (``O_IN_Q``): the next tile's Q then loads only once O has left.
 """
@@ -41,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK_M = 128  # query rows per tile: attn_fwd_ws's two consumer warpgroups of 64
+SPLIT_HI = gl.constexpr(64)  # a split tile's second part: a head dim of 192 = 128 + 64 in a tile of 256
 
 
 @gluon.jit
@@ -164,23 +167,30 @@ def _zero_rows_from(tile, valid):
 @gluon.jit
 def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, n_blocks, first_key, kv_len, diag,
             qk_scale, win_left, win_right, cap, slope, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, RELEASE_Q: gl.constexpr, ZERO_TAIL: gl.constexpr):
+            SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, RELEASE_Q: gl.constexpr, ZERO_TAIL: gl.constexpr,
+            SPLIT: gl.constexpr = False):
     """One warpgroup's rows (q, (ROWS, D) in shared memory) against a tile's n_blocks key blocks
     from key first_key, the blocks counted from ``it`` in the two-stage ring; -> (acc (ROWS, D),
     m_i, l_i), acc not yet divided by l_i. RELEASE_Q: arrive on q_empty once every S is done (the
     next tile's Q may come in). ZERO_TAIL: V rows at or past kv_len in the last block are zeroed
-    before P V (``_zero_rows_from``)."""
+    before P V (``_zero_rows_from``). SPLIT (a tile of 256 holding a head dim of 192): both
+    products run over columns [0, 128) and [128, 192) only, as two GEMMs each, and acc is
+    (ROWS, 128) with acc_hi (ROWS, 64) the rest; else acc_hi is unused."""
     ROWS: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    D: gl.constexpr = q.shape[1]
+    D: gl.constexpr = _lo_cols(q.shape[1], SPLIT)
     dtype: gl.constexpr = q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
+    hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, SPLIT_HI, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_hi_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
+    acc_hi = gl.zeros([ROWS, SPLIT_HI], dtype=gl.float32, layout=hi_layout)
     m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
     if n_blocks > 0:
@@ -188,7 +198,7 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
         st = it % 2
         mbarrier.wait(k_ready.index(st), phase=(it // 2) & 1)
         s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
-        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = _qk(q, k_smem.index(st), s, SPLIT)
         s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, first_key, kv_len, diag,
                     win_left, win_right, cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
         mbarrier.arrive(k_empty.index(st))
@@ -201,11 +211,17 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             prev = 1 - stage
             # S_j first, then P_{j-1} V_{j-1}: the softmax of S_j runs while the second is in flight
             mbarrier.wait(k_ready.index(stage), phase=(c // 2) & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+            s = _qk(q, k_smem.index(stage), s, SPLIT)
             mbarrier.wait(v_ready.index(prev), phase=((c - 1) // 2) & 1)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
+            if SPLIT:
+                p16_hi = gl.convert_layout(p16, p_hi_layout)
+                acc = warpgroup_mma(p16, v_smem.index(prev).slice(0, D, dim=1), acc, is_async=True)
+                acc_hi = warpgroup_mma(p16_hi, v_smem.index(prev).slice(D, SPLIT_HI, dim=1), acc_hi, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
+            else:
+                acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
             s = _scores(s, qk_scale, first_key + j * BLOCK_N, kv_len, diag, win_left, win_right, cap, slope,
                         IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
             mbarrier.arrive(k_empty.index(stage))
@@ -215,7 +231,11 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             p = gl.exp2(s - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+            if SPLIT:
+                acc, acc_hi, p16, p16_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi, p16, p16_hi))
+                acc_hi = acc_hi * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, hi_layout)), 1)
+            else:
+                acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
             mbarrier.arrive(v_empty.index(prev))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         if RELEASE_Q:
@@ -228,17 +248,44 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             if tail + BLOCK_N > kv_len:
                 _zero_rows_from(v_smem.index(last), kv_len - tail)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
-        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        if SPLIT:
+            p16_hi = gl.convert_layout(p16, p_hi_layout)
+            acc = warpgroup_mma(p16, v_smem.index(last).slice(0, D, dim=1), acc, is_async=True)
+            acc_hi = warpgroup_mma(p16_hi, v_smem.index(last).slice(D, SPLIT_HI, dim=1), acc_hi, is_async=True)
+            acc, acc_hi, p16, p16_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi, p16, p16_hi))
+        else:
+            acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+            acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(last))
-    return acc, m_i, l_i
+    return acc, acc_hi, m_i, l_i
+
+
+@gluon.constexpr_function
+def _lo_cols(d, split):
+    """The columns of a tile's first part: 128 of a split tile, else all d."""
+    return 128 if split else d
+
+
+@gluon.jit
+def _qk(q, k, s, SPLIT: gl.constexpr):
+    """S = Q Kᵀ issued, not waited for (q (ROWS, D), k (BLOCK_N, D) in shared memory); SPLIT: over
+    the head dim's columns [0, 128) and [128, 192) only, the tile's last 64 left out (zeros)."""
+    if SPLIT:
+        s = warpgroup_mma(q.slice(0, 128, dim=1), k.slice(0, 128, dim=1).permute((1, 0)), s, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma(q.slice(128, SPLIT_HI, dim=1), k.slice(128, SPLIT_HI, dim=1).permute((1, 0)), s,
+                          is_async=True)
+    else:
+        s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+    return s
 
 
 @gluon.jit
 def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
               LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
               cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              O_IN_Q: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+              O_IN_Q: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+              SPLIT: gl.constexpr):
     """One warpgroup: its 64 rows of each of the program's tiles against the tile's key blocks."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -247,7 +294,7 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+                                                       instr_shape=[16, _lo_cols(D, SPLIT), 16])
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(wg)
     o_tile = o_smem.index(wg)
@@ -264,9 +311,9 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         if loads_q:
             mbarrier.wait(q_bar.index(wg), phase=qc & 1)
         slope = _slope(SLOPES, b, h, stride_as, stride_ah, ALIBI)
-        acc, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(wg), it,
-                                n_blocks, first * BLOCK_N, kv_len, diag, qk_scale, win_left, win_right, cap, slope,
-                                IS_CAUSAL, WINDOW, SOFTCAP, ALIBI, not O_IN_Q, False)
+        acc, acc_hi, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(wg),
+                                        it, n_blocks, first * BLOCK_N, kv_len, diag, qk_scale, win_left, win_right,
+                                        cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI, not O_IN_Q, False, SPLIT)
         it += n_blocks
         if loads_q:
             qc += 1
@@ -275,7 +322,12 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         l_safe = gl.where(seen, l_i, 1.0)
         o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
         tma.store_wait(pendings=0)  # the previous tile's O has left o_tile
-        o_tile.store(o.to(dtype))
+        if SPLIT:  # the tile's last 64 columns lie past the head dim: the store clips them
+            o_tile.slice(0, 128, dim=1).store(o.to(dtype))
+            o_hi = acc_hi / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, acc_hi.type.layout)), 1)
+            o_tile.slice(128, SPLIT_HI, dim=1).store(o_hi.to(dtype))
+        else:
+            o_tile.store(o.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_o, [b, h, r0, 0], _box(o_tile, desc_o))  # rows past N_Q are clipped
         if O_IN_Q:
@@ -363,6 +415,7 @@ def attn_fwd_ws(
     WINDOW: gl.constexpr = False,  # a sliding window bounds the keys of each row
     SOFTCAP: gl.constexpr = False,  # scores capped: softcap · tanh(S / softcap)
     ALIBI: gl.constexpr = False,  # scores biased by -slope · |i + N_K - N_Q - j|
+    SPLIT: gl.constexpr = False,  # a box of 256 holding a head dim of 192: products over its 192 only
 ):
     """Prefill; a tile = 128 query rows of one (batch, head). Grid (programs,): program p takes
     tiles p, p + programs, ... in ``_work``'s order; the launcher gives min(tiles, SMs) programs
@@ -399,10 +452,12 @@ def attn_fwd_ws(
     gl.warp_specialize([
         (_consumer, (0, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
                      LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
-                     cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI)),
+                     cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI,
+                     SPLIT)),
         (_consumer, (1, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
                      LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
-                     cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI)),
+                     cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI,
+                     SPLIT)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
                      v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right,
                      HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW)),

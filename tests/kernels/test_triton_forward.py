@@ -182,6 +182,7 @@ from kernels import hopper
 
 dtype, has_kv_len, causal, d = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
 window, softcap, alibi = sys.argv[5] == "1", sys.argv[6] == "1", sys.argv[7] == "1"
+split = len(sys.argv) > 8 and sys.argv[8] == "1"
 fn = kg.attn_fwd_ws
 t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 box = hopper.gluon_box(d)
@@ -192,7 +193,7 @@ for name, rows in dict(desc_q=64, desc_k=block_n, desc_v=block_n, desc_o=64).ite
 sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32", cap="fp32", SLOPES="*fp32")
 consts = {}
 for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=regs, O_IN_Q=o_in_q,
-                        WINDOW=window, SOFTCAP=softcap, ALIBI=alibi).items():
+                        WINDOW=window, SOFTCAP=softcap, ALIBI=alibi, SPLIT=split).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
@@ -203,18 +204,20 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
 """
 
 
-@pytest.mark.parametrize("dtype,has_kv_len,causal,d,window,softcap,alibi", [
-    ("fp16", False, False, 128, False, False, False), ("bf16", True, False, 128, False, False, False),
-    ("fp16", True, True, 128, False, False, False), ("bf16", False, True, 128, False, False, False),
-    ("bf16", True, True, 96, False, False, False), ("fp16", False, False, 256, False, False, False),
-    ("bf16", True, True, 192, False, False, False), ("bf16", False, True, 128, True, True, False),
-    ("fp16", True, False, 256, True, False, False), ("bf16", False, True, 128, False, False, True),
-    ("fp16", True, False, 256, True, True, True)])
-def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, alibi, tmp_path):
+@pytest.mark.parametrize("dtype,has_kv_len,causal,d,window,softcap,alibi,split", [
+    ("fp16", False, False, 128, False, False, False, False), ("bf16", True, False, 128, False, False, False, False),
+    ("fp16", True, True, 128, False, False, False, False), ("bf16", False, True, 128, False, False, False, False),
+    ("bf16", True, True, 96, False, False, False, False), ("fp16", False, False, 256, False, False, False, False),
+    ("bf16", True, True, 192, False, False, False, False), ("bf16", False, True, 128, True, True, False, False),
+    ("fp16", True, False, 256, True, False, False, False), ("bf16", False, True, 128, False, False, True, False),
+    ("fp16", True, False, 256, True, True, True, False), ("bf16", True, True, 192, False, False, False, True),
+    ("fp16", False, False, 192, True, True, True, True)])
+def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, alibi, split, tmp_path):
     """Compiled for sm_90 with Triton's own ptxas, no GPU needed, at each tile D (96 pads to 128,
-    192 to 256), with and without a window, softcap and ALiBi slopes (within the register budget)."""
+    192 to 256, or with SPLIT runs its products over the 192 columns alone), with and without a
+    window, softcap and ALiBi slopes (within the register budget)."""
     argv = [dtype, str(int(has_kv_len)), str(int(causal)), str(d), str(int(window)), str(int(softcap)),
-            str(int(alibi))]
+            str(int(alibi)), str(int(split))]
     shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
@@ -726,6 +729,28 @@ def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
     assert ran
     check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["d192_causal_nq_gt_nk", "d192_many_tiles", "d192_many_tiles_causal"])
+def test_gpu_gluon_kernel_split_192(name, dtype, poisoned_empty, monkeypatch):
+    """attn_fwd_ws at D 192 with GLUON_SPLIT_192 on: its products over the head dim's 192 columns
+    alone, the tile's last 64 left out, against the float64 reference."""
+    monkeypatch.setattr(hopper, "GLUON_SPLIT_192", True)
+    ran = _spy(monkeypatch, "_forward_gluon")
+    q, k, v, causal, scale, kvl = make(SPLIT_192_CASES[name], dtype, "cuda")
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
+    assert ran
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+SPLIT_192_CASES = {
+    "d192_causal_nq_gt_nk": GLUON_CASES["d192_causal_nq_gt_nk"],
+    "d192_many_tiles": (3, 16, 4, 1100, 2100, 192, False, [2100, 0, 999]),
+    "d192_many_tiles_causal": (2, 8, 8, 2100, 2100, 192, True, [2100, 1500]),
+}
 
 
 @pytest.mark.gpu
