@@ -199,10 +199,11 @@ def _decode_check(q, k, v, pack: int, splits: int) -> tuple[tuple | None, str | 
     return descs, None
 
 
-def _descriptor(t: torch.Tensor, rows: int, box_d: int | None = None) -> TensorDescriptor:
+def _descriptor(t: torch.Tensor, rows: int, box_d: int | None = None, layout=_BOX_LAYOUT) -> TensorDescriptor:
     """A host TMA descriptor over a whole t (B, H, N, D), in boxes of (1, 1, rows, box_d or D): a
     box past D reads zeros there and stores nothing. A dim of length 1 gets the stride it would
-    have if contiguous (its own may be anything, even 0).
+    have if contiguous (its own may be anything, even 0). ``layout``: the box's shared-memory
+    layout (16-bit elements unless given).
 
     Built without ``TensorDescriptor.__post_init__``: its checks are ``gluon_path``'s, made once
     per problem, and would cost host time on every launch (tests run them on what this builds)."""
@@ -212,7 +213,7 @@ def _descriptor(t: torch.Tensor, rows: int, box_d: int | None = None) -> TensorD
             strides[i] = strides[i + 1] * t.shape[i + 1]
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides = t, list(t.shape), strides
-    desc.block_shape, desc.layout, desc.padding = [1, 1, rows, box_d or t.shape[-1]], _BOX_LAYOUT, "zero"
+    desc.block_shape, desc.layout, desc.padding = [1, 1, rows, box_d or t.shape[-1]], layout, "zero"
     return desc
 
 

@@ -12,7 +12,6 @@ import os
 
 import torch
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import hopper
 from .jit import gluon_bwd as kern
@@ -63,11 +62,10 @@ def bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: t
     return None
 
 
-def _dq_descriptor(dq_acc: torch.Tensor) -> TensorDescriptor:
+def _dq_descriptor(dq_acc: torch.Tensor):
     """A TMA descriptor over the float32 dQ (B, Hq, Nq, D), contiguous, in each consumer
     warpgroup's boxes of (1, 1, BLOCK_M, D / 2)."""
-    return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()),
-                            [1, 1, kern.BLOCK_M, dq_acc.shape[-1] // 2], _F32_BOX_LAYOUT)
+    return hopper._descriptor(dq_acc, kern.BLOCK_M, dq_acc.shape[-1] // 2, _F32_BOX_LAYOUT)
 
 
 def gluon_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,

@@ -43,7 +43,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK_M = 128  # query rows per tile: attn_fwd_ws's two consumer warpgroups of 64
-SPLIT_HI = gl.constexpr(64)  # a split tile's second part: a head dim of 192 = 128 + 64 in a tile of 256
+# a split tile's two parts: a head dim of 192 = 128 + 64 in a tile of 256
+SPLIT_LO = gl.constexpr(128)
+SPLIT_HI = gl.constexpr(64)
 
 
 @gluon.jit
@@ -171,7 +173,7 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             SPLIT: gl.constexpr = False):
     """One warpgroup's rows (q, (ROWS, D) in shared memory) against a tile's n_blocks key blocks
     from key first_key, the blocks counted from ``it`` in the two-stage ring; -> (acc (ROWS, D),
-    m_i, l_i), acc not yet divided by l_i. RELEASE_Q: arrive on q_empty once every S is done (the
+    acc_hi, m_i, l_i), acc not yet divided by l_i. RELEASE_Q: arrive on q_empty once every S is done (the
     next tile's Q may come in). ZERO_TAIL: V rows at or past kv_len in the last block are zeroed
     before P V (``_zero_rows_from``). SPLIT (a tile of 256 holding a head dim of 192): both
     products run over columns [0, 128) and [128, 192) only, as two GEMMs each, and acc is
@@ -262,8 +264,8 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
 
 @gluon.constexpr_function
 def _lo_cols(d, split):
-    """The columns of a tile's first part: 128 of a split tile, else all d."""
-    return 128 if split else d
+    """The columns of a tile's first part: SPLIT_LO of a split tile, else all d."""
+    return SPLIT_LO if split else d
 
 
 @gluon.jit
@@ -271,9 +273,9 @@ def _qk(q, k, s, SPLIT: gl.constexpr):
     """S = Q Kᵀ issued, not waited for (q (ROWS, D), k (BLOCK_N, D) in shared memory); SPLIT: over
     the head dim's columns [0, 128) and [128, 192) only, the tile's last 64 left out (zeros)."""
     if SPLIT:
-        s = warpgroup_mma(q.slice(0, 128, dim=1), k.slice(0, 128, dim=1).permute((1, 0)), s, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma(q.slice(128, SPLIT_HI, dim=1), k.slice(128, SPLIT_HI, dim=1).permute((1, 0)), s,
+        s = warpgroup_mma(q.slice(0, SPLIT_LO, dim=1), k.slice(0, SPLIT_LO, dim=1).permute((1, 0)), s,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(q.slice(SPLIT_LO, SPLIT_HI, dim=1), k.slice(SPLIT_LO, SPLIT_HI, dim=1).permute((1, 0)), s,
                           is_async=True)
     else:
         s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -323,9 +325,9 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
         tma.store_wait(pendings=0)  # the previous tile's O has left o_tile
         if SPLIT:  # the tile's last 64 columns lie past the head dim: the store clips them
-            o_tile.slice(0, 128, dim=1).store(o.to(dtype))
+            o_tile.slice(0, SPLIT_LO, dim=1).store(o.to(dtype))
             o_hi = acc_hi / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, acc_hi.type.layout)), 1)
-            o_tile.slice(128, SPLIT_HI, dim=1).store(o_hi.to(dtype))
+            o_tile.slice(SPLIT_LO, SPLIT_HI, dim=1).store(o_hi.to(dtype))
         else:
             o_tile.store(o.to(dtype))
         fence_async_shared()

@@ -154,9 +154,9 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_em
     if n_blocks > 0:
         mbarrier.wait(q_bar.index(wg), phase=0)
     slope = _slope(SLOPES, seq, h, stride_as, stride_ah, ALIBI)
-    acc, _, m_i, l_i = _attend(q_smem.index(wg), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_bar.index(wg), 0,
-                            n_blocks, first, k1, r0 + n_k - n_q, qk_scale, win_left, win_right, cap, slope, IS_CAUSAL,
-                            WINDOW, SOFTCAP, ALIBI, False, True)
+    acc, _, m_i, l_i = _attend(q_smem.index(wg), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                               q_bar.index(wg), 0, n_blocks, first, k1, r0 + n_k - n_q, qk_scale, win_left,
+                               win_right, cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI, False, True)
     # rows that saw no key (n_k 0, causal rows above the split's first key) -> o = 0, lse = -inf
     seen = l_i != 0.0
     l_safe = gl.where(seen, l_i, 1.0)
