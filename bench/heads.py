@@ -32,8 +32,10 @@ HEAD_SHAPES = [
     ("bfloat16", 4, 32, 32, 4096, 4096, 64, False), ("bfloat16", 4, 32, 32, 4096, 4096, 64, True),
 ]
 PROVIDERS = ("flash", "flash_triton", "sdpa_cudnn", "sdpa_flash")
-# D 192 rows also run flash with hopper.GLUON_SPLIT_192 on: the 256 tile's products over 192 columns
-SPLIT_PROVIDER = "flash_split"
+# rows of a head dim attn_fwd_ws can split (hopper.split_cols) also run flash with every such dim split
+# (its products over the head dim alone) and with none (over the whole padded tile)
+SPLIT_PROVIDER, PADDED_PROVIDER = "flash_split", "flash_padded"
+SPLIT_DIMS = frozenset({80, 96, 144, 160, 192})
 BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
 
 
@@ -42,13 +44,15 @@ def _fn(provider: str, n_q: int, n_k: int):
     if provider in ("flash", "flash_triton"):
         gluon = provider == "flash"
         return lambda q, k, v, c: flash_forward(q, k, v, causal=c, scale=q.shape[-1] ** -0.5, gluon=gluon)[0]
-    if provider == SPLIT_PROVIDER:
+    if provider in (SPLIT_PROVIDER, PADDED_PROVIDER):
+        dims = SPLIT_DIMS if provider == SPLIT_PROVIDER else frozenset()
+
         def split(q, k, v, c):
-            saved, hopper.GLUON_SPLIT_192 = hopper.GLUON_SPLIT_192, True
+            saved, hopper.GLUON_SPLIT_DIMS = hopper.GLUON_SPLIT_DIMS, dims
             try:
                 return flash_forward(q, k, v, causal=c, scale=q.shape[-1] ** -0.5)[0]
             finally:
-                hopper.GLUON_SPLIT_192 = saved
+                hopper.GLUON_SPLIT_DIMS = saved
         return split
 
     def sdpa(q, k, v, c):
@@ -73,7 +77,7 @@ def bench_heads(log, shapes=HEAD_SHAPES, rep=60) -> list[dict]:
         sets = inputs(b, hq, hkv, n_q, n_k, d, dtype, sets=n_sets(nbytes))
         flops = 4.0 * d * b * hq * visible_pairs(n_q, n_k, causal)
         outs = {}
-        for p in (*PROVIDERS, SPLIT_PROVIDER) if d == 192 else PROVIDERS:
+        for p in (*PROVIDERS, SPLIT_PROVIDER, PADDED_PROVIDER) if d in SPLIT_DIMS else PROVIDERS:
             try:
                 before = set(launch_cache._compiled)
                 ms, _, out = timed(_fn(p, n_q, n_k), sets, causal, rep=rep)
@@ -96,7 +100,8 @@ def bench_heads(log, shapes=HEAD_SHAPES, rep=60) -> list[dict]:
 
 
 HEAD_HEADERS = ["dtype", "B x Hq/Hkv x Nq x Nk", "D", "causal", "flash", "flash_triton", "sdpa_cudnn", "sdpa_flash",
-                "flash / cuDNN", "flash / flash_triton", "err", "kernel (flash)", "flash_split", "flash_split / cuDNN"]
+                "flash / cuDNN", "flash / flash_triton", "err", "kernel (flash)", "flash_split", "flash_padded",
+                "flash_split / cuDNN"]
 
 
 def _ratio(a, b) -> str:
@@ -107,12 +112,12 @@ def head_table_rows(rows) -> list[list]:
     out = []
     for r in rows:
         if "skipped" in r:
-            out.append([r["dtype"], r["shape"], r["D"], r["causal"], "skipped (time)", *[""] * 9])
+            out.append([r["dtype"], r["shape"], r["D"], r["causal"], "skipped (time)", *[""] * 10])
             continue
         out.append([r["dtype"], r["shape"], r["D"], r["causal"], *(r.get(p, "-") for p in PROVIDERS),
                     _ratio(r.get("flash"), r.get("sdpa_cudnn")), _ratio(r.get("flash"), r.get("flash_triton")),
                     f"{r['err']:.1e}" if "err" in r else "-", r.get("flash_kernel", "-"), r.get(SPLIT_PROVIDER, "-"),
-                    _ratio(r.get(SPLIT_PROVIDER), r.get("sdpa_cudnn"))])
+                    r.get(PADDED_PROVIDER, "-"), _ratio(r.get(SPLIT_PROVIDER), r.get("sdpa_cudnn"))])
     return out
 
 
@@ -123,7 +128,9 @@ def write_heads_report(out_dir: Path, rows, meta, seconds: float) -> str:
         f"Command: `{meta['command']}`.", "",
         "Forward TFLOP/s, random normal inputs, do_bench medians; 4·D·B·Hq per visible (query, key) "
         "pair (causal is bottom-right, counted exactly). `flash_triton` is `flash_forward(gluon=False)`; "
-        "`flash_split` (D 192 only) is `flash` with `hopper.GLUON_SPLIT_192` on. "
+        "`flash_split` and `flash_padded` (head dims `attn_fwd_ws` can split: 80, 96, 144, 160, 192) are `flash` "
+        "with every such dim in `hopper.GLUON_SPLIT_DIMS` (products over the head dim alone) and with none "
+        "(over the whole padded tile). "
         "`err` = max |flash − SDPA| (FA2 where it runs, else cuDNN).", "",
         md_table(HEAD_HEADERS, head_table_rows(rows)), "",
         f"Section time: {seconds:.0f} s.", ""])

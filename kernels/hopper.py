@@ -38,10 +38,9 @@ GLUON_MIN_N_CAUSAL = 2048
 # docs/benchmarks/kernels.md#prefill; at D 128, 64 keys a block is slower than 128
 GLUON_TILES: dict[int, tuple[int, bool, int]] = {128: (128, False, 232), 256: (64, True, 240)}
 GLUON_MIN_D = 72  # from D 64 down, attn_fwd_tma (D 64) and attn_fwd are as fast
-# a head dim of 192 in the 256 tile: its products over the 192 columns alone (attn_fwd_ws's SPLIT),
-# not over 64 columns of zeros too. Off until it has run on a GPU (tests/kernels/test_triton_forward.py
-# turns it on there)
-GLUON_SPLIT_192 = False
+# head dims whose tile runs its products over the head dim alone (attn_fwd_ws's SPLIT, ``split_cols``),
+# not over the tile's columns of zeros too (docs/benchmarks/kernels.md#head-dims)
+GLUON_SPLIT_DIMS: frozenset[int] = frozenset({80, 96, 144, 160, 192})
 _GLUON_BLOCK_N = GLUON_TILES[128][0]
 _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -101,6 +100,15 @@ def gluon_box(d: int) -> int | None:
     if d % 8 or d < GLUON_MIN_D:
         return None
     return next((box for box in sorted(GLUON_TILES) if d <= box), None)
+
+
+def split_cols(d: int) -> int:
+    """attn_fwd_ws's SPLIT for head dim d: the columns past its tile's first half where d is half
+    the tile plus a power of two from 16 (the K of a 16-bit wgmma) and is in ``GLUON_SPLIT_DIMS``;
+    else 0, the products over the whole tile."""
+    box = gluon_box(d)
+    hi = d - box // 2 if box else 0
+    return hi if d in GLUON_SPLIT_DIMS and 16 <= hi < box // 2 and hi & (hi - 1) == 0 else 0
 
 
 def gluon_sizes(n_q: int, n_k: int, causal: bool) -> bool:
@@ -372,7 +380,7 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     programs = tiles if causal else min(tiles, _num_sms(q.device))
     return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
                                    O_IN_Q=o_in_q, WINDOW=masks.window, SOFTCAP=masks.softcap > 0,
-                                   ALIBI=masks.alibi is not None, SPLIT=GLUON_SPLIT_192 and d == 192)
+                                   ALIBI=masks.alibi is not None, SPLIT=split_cols(d))
 
 
 class _GluonRecipe:
@@ -441,7 +449,8 @@ def _recipe(q, k, v, kv_lengths, causal: bool, num_splits: int | None, tma: bool
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
            kv_lengths is None, num_splits, tma, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
            masks.window, masks.softcap > 0, masks.alibi is None, left == 1, left % 16, right == 1, right % 16,
-           slopes.data_ptr() % 16, stride_as in (0, 1), stride_as % 16, stride_ah == 1, stride_ah % 16, GLUON_SPLIT_192)
+           slopes.data_ptr() % 16, stride_as in (0, 1), stride_as % 16, stride_ah == 1, stride_ah % 16,
+           split_cols(q.shape[-1]))
     try:
         return _recipes[key]
     except KeyError:

@@ -24,8 +24,9 @@ D 128 (see docs/benchmarks/kernels.md#prefill).
 Head dims: the tile's D is the descriptors' box (64, 128 or 256); a head dim below it (80, 96,
 192, ...) is read with zeros past its end (TMA fills a box past the tensor with zeros) and its O
 store is clipped there, so the padded columns add zeros to S and write nothing. ``SPLIT`` runs a
-head dim of 192 in the 256 tile without the padded columns' work: Q Kᵀ and P V as two GEMMs each,
-over columns [0, 128) and [128, 192) (hopper.GLUON_SPLIT_192 switches it on). At a box of 256
+head dim of half the tile plus a power of two (80 = 64 + 16 and 96 = 64 + 32 in the 128 tile,
+192 = 128 + 64 in the 256 one) without the padded columns' work: Q Kᵀ and P V as two GEMMs each,
+over the tile's first half and the SPLIT columns after it (``hopper.split_cols``). At a box of 256
 two Q tiles, two O tiles and two K and V stages do not fit in shared memory, so O leaves through
 its warpgroup's Q buffer (``O_IN_Q``): the next tile's Q then loads only once O has left.
 """
@@ -43,9 +44,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK_M = 128  # query rows per tile: attn_fwd_ws's two consumer warpgroups of 64
-# a split tile's two parts: a head dim of 192 = 128 + 64 in a tile of 256
-SPLIT_LO = gl.constexpr(128)
-SPLIT_HI = gl.constexpr(64)
 
 
 @gluon.jit
@@ -170,29 +168,30 @@ def _zero_rows_from(tile, valid):
 def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, n_blocks, first_key, kv_len, diag,
             qk_scale, win_left, win_right, cap, slope, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, RELEASE_Q: gl.constexpr, ZERO_TAIL: gl.constexpr,
-            SPLIT: gl.constexpr = False):
+            SPLIT: gl.constexpr = 0):
     """One warpgroup's rows (q, (ROWS, D) in shared memory) against a tile's n_blocks key blocks
     from key first_key, the blocks counted from ``it`` in the two-stage ring; -> (acc (ROWS, D),
     acc_hi, m_i, l_i), acc not yet divided by l_i. RELEASE_Q: arrive on q_empty once every S is done (the
     next tile's Q may come in). ZERO_TAIL: V rows at or past kv_len in the last block are zeroed
-    before P V (``_zero_rows_from``). SPLIT (a tile of 256 holding a head dim of 192): both
-    products run over columns [0, 128) and [128, 192) only, as two GEMMs each, and acc is
-    (ROWS, 128) with acc_hi (ROWS, 64) the rest; else acc_hi is unused."""
+    before P V (``_zero_rows_from``). SPLIT (> 0: the head dim is half the tile D plus SPLIT):
+    both products run over the tile's first half and the SPLIT columns after it, as two GEMMs
+    each, and acc is (ROWS, D / 2) with acc_hi (ROWS, SPLIT) the rest; else acc_hi is unused."""
     ROWS: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = _lo_cols(q.shape[1], SPLIT)
+    HI: gl.constexpr = _hi_cols(SPLIT)
     dtype: gl.constexpr = q.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, SPLIT_HI, 16])
+                                                        instr_shape=[16, HI, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_hi_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hi_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
-    acc_hi = gl.zeros([ROWS, SPLIT_HI], dtype=gl.float32, layout=hi_layout)
+    acc_hi = gl.zeros([ROWS, HI], dtype=gl.float32, layout=hi_layout)
     m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
     if n_blocks > 0:
@@ -219,7 +218,7 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             if SPLIT:
                 p16_hi = gl.convert_layout(p16, p_hi_layout)
                 acc = warpgroup_mma(p16, v_smem.index(prev).slice(0, D, dim=1), acc, is_async=True)
-                acc_hi = warpgroup_mma(p16_hi, v_smem.index(prev).slice(D, SPLIT_HI, dim=1), acc_hi, is_async=True)
+                acc_hi = warpgroup_mma(p16_hi, v_smem.index(prev).slice(D, HI, dim=1), acc_hi, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
             else:
                 acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
@@ -253,7 +252,7 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
         if SPLIT:
             p16_hi = gl.convert_layout(p16, p_hi_layout)
             acc = warpgroup_mma(p16, v_smem.index(last).slice(0, D, dim=1), acc, is_async=True)
-            acc_hi = warpgroup_mma(p16_hi, v_smem.index(last).slice(D, SPLIT_HI, dim=1), acc_hi, is_async=True)
+            acc_hi = warpgroup_mma(p16_hi, v_smem.index(last).slice(D, HI, dim=1), acc_hi, is_async=True)
             acc, acc_hi, p16, p16_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi, p16, p16_hi))
         else:
             acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
@@ -264,18 +263,25 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
 
 @gluon.constexpr_function
 def _lo_cols(d, split):
-    """The columns of a tile's first part: SPLIT_LO of a split tile, else all d."""
-    return SPLIT_LO if split else d
+    """The columns of a tile of d's first part: half of a split tile, else all d."""
+    return d // 2 if split else d
+
+
+@gluon.constexpr_function
+def _hi_cols(split):
+    """The columns of a split tile's second part (a placeholder width where nothing is split)."""
+    return split if split else 16
 
 
 @gluon.jit
 def _qk(q, k, s, SPLIT: gl.constexpr):
     """S = Q Kᵀ issued, not waited for (q (ROWS, D), k (BLOCK_N, D) in shared memory); SPLIT: over
-    the head dim's columns [0, 128) and [128, 192) only, the tile's last 64 left out (zeros)."""
+    the tile's first half and the SPLIT columns after it only, the rest left out (zeros)."""
     if SPLIT:
-        s = warpgroup_mma(q.slice(0, SPLIT_LO, dim=1), k.slice(0, SPLIT_LO, dim=1).permute((1, 0)), s,
+        LO: gl.constexpr = q.shape[1] // 2
+        s = warpgroup_mma(q.slice(0, LO, dim=1), k.slice(0, LO, dim=1).permute((1, 0)), s,
                           use_acc=False, is_async=True)
-        s = warpgroup_mma(q.slice(SPLIT_LO, SPLIT_HI, dim=1), k.slice(SPLIT_LO, SPLIT_HI, dim=1).permute((1, 0)), s,
+        s = warpgroup_mma(q.slice(LO, SPLIT, dim=1), k.slice(LO, SPLIT, dim=1).permute((1, 0)), s,
                           is_async=True)
     else:
         s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -324,10 +330,10 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         l_safe = gl.where(seen, l_i, 1.0)
         o = acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
         tma.store_wait(pendings=0)  # the previous tile's O has left o_tile
-        if SPLIT:  # the tile's last 64 columns lie past the head dim: the store clips them
-            o_tile.slice(0, SPLIT_LO, dim=1).store(o.to(dtype))
+        if SPLIT:  # the tile's columns past the head dim are never written: the store clips them
+            o_tile.slice(0, D // 2, dim=1).store(o.to(dtype))
             o_hi = acc_hi / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, acc_hi.type.layout)), 1)
-            o_tile.slice(SPLIT_LO, SPLIT_HI, dim=1).store(o_hi.to(dtype))
+            o_tile.slice(D // 2, SPLIT, dim=1).store(o_hi.to(dtype))
         else:
             o_tile.store(o.to(dtype))
         fence_async_shared()
@@ -417,7 +423,7 @@ def attn_fwd_ws(
     WINDOW: gl.constexpr = False,  # a sliding window bounds the keys of each row
     SOFTCAP: gl.constexpr = False,  # scores capped: softcap · tanh(S / softcap)
     ALIBI: gl.constexpr = False,  # scores biased by -slope · |i + N_K - N_Q - j|
-    SPLIT: gl.constexpr = False,  # a box of 256 holding a head dim of 192: products over its 192 only
+    SPLIT: gl.constexpr = 0,     # > 0: the head dim is D / 2 + SPLIT, the products run over it alone
 ):
     """Prefill; a tile = 128 query rows of one (batch, head). Grid (programs,): program p takes
     tiles p, p + programs, ... in ``_work``'s order; the launcher gives min(tiles, SMs) programs

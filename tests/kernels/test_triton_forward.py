@@ -182,7 +182,7 @@ from kernels import hopper
 
 dtype, has_kv_len, causal, d = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
 window, softcap, alibi = sys.argv[5] == "1", sys.argv[6] == "1", sys.argv[7] == "1"
-split = len(sys.argv) > 8 and sys.argv[8] == "1"
+split = int(sys.argv[8]) if len(sys.argv) > 8 else 0
 fn = kg.attn_fwd_ws
 t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 box = hopper.gluon_box(d)
@@ -210,17 +210,30 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
     ("bf16", True, True, 96, False, False, False, False), ("fp16", False, False, 256, False, False, False, False),
     ("bf16", True, True, 192, False, False, False, False), ("bf16", False, True, 128, True, True, False, False),
     ("fp16", True, False, 256, True, False, False, False), ("bf16", False, True, 128, False, False, True, False),
-    ("fp16", True, False, 256, True, True, True, False), ("bf16", True, True, 192, False, False, False, True),
-    ("fp16", False, False, 192, True, True, True, True)])
+    ("fp16", True, False, 256, True, True, True, False), ("bf16", True, True, 192, False, False, False, 64),
+    ("fp16", False, False, 192, True, True, True, 64), ("bf16", False, True, 96, False, False, False, 32),
+    ("fp16", True, False, 80, True, True, True, 16), ("bf16", True, False, 160, False, False, False, 32)])
 def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, alibi, split, tmp_path):
     """Compiled for sm_90 with Triton's own ptxas, no GPU needed, at each tile D (96 pads to 128,
-    192 to 256, or with SPLIT runs its products over the 192 columns alone), with and without a
+    192 to 256, or with SPLIT runs its products over the head dim alone), with and without a
     window, softcap and ALiBi slopes (within the register budget)."""
     argv = [dtype, str(int(has_kv_len)), str(int(causal)), str(d), str(int(window)), str(int(softcap)),
             str(int(alibi)), str(int(split))]
     shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
+
+
+def test_split_cols_names_the_columns_past_the_tiles_half(monkeypatch):
+    """SPLIT = head dim - tile / 2 where that is a power of two from 16 (a 16-bit wgmma's K) and the
+    dim is switched on; 0 (the whole padded tile) elsewhere."""
+    from kernels import hopper
+
+    monkeypatch.setattr(hopper, "GLUON_SPLIT_DIMS", frozenset({72, 80, 96, 112, 128, 144, 160, 192, 224, 256}))
+    assert {d: hopper.split_cols(d) for d in (72, 80, 96, 112, 128, 144, 160, 192, 224, 256)} == {
+        72: 0, 80: 16, 96: 32, 112: 0, 128: 0, 144: 16, 160: 32, 192: 64, 224: 0, 256: 0}
+    monkeypatch.setattr(hopper, "GLUON_SPLIT_DIMS", frozenset())
+    assert hopper.split_cols(192) == 0
 
 
 def _compile_for_sm90(script: str, argv: list[str], tmp_path) -> list[str]:
@@ -339,8 +352,8 @@ from triton.runtime.jit import mangle_type
 from kernels.jit import gluon_paged as kp
 from kernels import hopper, ragged
 
-dtype, d, page, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-fn = kp.paged_decode
+dtype, d, page, causal, ws = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
+fn = kp.paged_decode_ws if ws else kp.paged_decode
 tdt = dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype]
 pages = torch.empty(4, page, 2, d, dtype=tdt)
 ragged.triton_interpret = lambda: False
@@ -356,21 +369,23 @@ for name, value in dict(PAGE=page, ROW_TILE=16, IS_CAUSAL=causal, STAGES=ragged.
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, **(dict(maxnreg=ragged.WS_MAXNREG) if ws else {})))
 ptx = compiled.asm["ptx"]
 rank = "2d" if page < ragged.GLUON_DECODE_BLOCK_N else "4d"
 print(compiled.metadata.shared, all(op in ptx for op in ("wgmma.mma_async", f"cp.async.bulk.tensor.{rank}")))
 """
 
 
-@pytest.mark.parametrize("dtype,d,page,causal", [("bf16", 128, 64, True), ("fp16", 64, 128, False),
-                                                 ("bf16", 128, 256, False), ("bf16", 128, 16, True),
-                                                 ("fp16", 64, 32, False)])
-def test_paged_decode_kernel_compiles_for_hopper(dtype, d, page, causal, tmp_path):
+@pytest.mark.parametrize("dtype,d,page,causal,ws", [("bf16", 128, 64, True, True), ("fp16", 64, 128, False, True),
+                                                    ("bf16", 128, 256, False, True), ("bf16", 128, 16, True, True),
+                                                    ("fp16", 64, 32, False, True), ("bf16", 128, 16, True, False)])
+def test_paged_decode_kernel_compiles_for_hopper(dtype, d, page, causal, ws, tmp_path):
     """paged_decode (Gluon) compiled for sm_90 as ``test_gluon_kernel_compiles_for_hopper``, over the
-    descriptors the launch builds (pages of 16 and 32: a TMA copy per page); two programs must fit
-    an SM, as attn_decode's."""
-    shared, has_ops = _compile_for_sm90(_PAGED_DECODE_COMPILE, [dtype, str(d), str(page), str(int(causal))], tmp_path)
+    descriptors the launch builds (pages of 16 and 32: a TMA copy per page), with its loader warp
+    (``paged_decode_ws``) or without; two programs must fit an SM, as attn_decode's."""
+    argv = [dtype, str(d), str(page), str(int(causal)), str(int(ws))]
+    shared, has_ops = _compile_for_sm90(_PAGED_DECODE_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma and TMA copies of the descriptors' rank in the PTX"
     assert 2 * (int(shared) + 1024) <= 228 * 1024
 
@@ -734,22 +749,29 @@ def test_gpu_gluon_kernel(name, dtype, poisoned_empty, monkeypatch):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["d192_causal_nq_gt_nk", "d192_many_tiles", "d192_many_tiles_causal"])
-def test_gpu_gluon_kernel_split_192(name, dtype, poisoned_empty, monkeypatch):
-    """attn_fwd_ws at D 192 with GLUON_SPLIT_192 on: its products over the head dim's 192 columns
-    alone, the tile's last 64 left out, against the float64 reference."""
-    monkeypatch.setattr(hopper, "GLUON_SPLIT_192", True)
+@pytest.mark.parametrize("name", ["d192_causal_nq_gt_nk", "d192_many_tiles", "d192_many_tiles_causal",
+                                  "d96_gqa_causal", "d80_nq_gt_nk", "d160_causal_kv_lengths"])
+def test_gpu_gluon_kernel_split(name, dtype, poisoned_empty, monkeypatch):
+    """attn_fwd_ws with SPLIT (every candidate head dim switched on): its products over the head
+    dim's columns alone, the tile's columns past it left out, against the float64 reference."""
+    monkeypatch.setattr(hopper, "GLUON_SPLIT_DIMS", frozenset({80, 96, 144, 160, 192}))
     ran = _spy(monkeypatch, "_forward_gluon")
-    q, k, v, causal, scale, kvl = make(SPLIT_192_CASES[name], dtype, "cuda")
+    case = SPLIT_CASES[name]
+    assert hopper.split_cols(case[5]) > 0
+    q, k, v, causal, scale, kvl = make(case, dtype, "cuda")
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
     assert ran
     check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
 
 
-SPLIT_192_CASES = {
+SPLIT_CASES = {
     "d192_causal_nq_gt_nk": GLUON_CASES["d192_causal_nq_gt_nk"],
     "d192_many_tiles": (3, 16, 4, 1100, 2100, 192, False, [2100, 0, 999]),
     "d192_many_tiles_causal": (2, 8, 8, 2100, 2100, 192, True, [2100, 1500]),
+    "d96_gqa_causal": (2, 12, 4, 777, 2100, 96, True, [2100, 1200]),     # 32 columns past the half
+    "d80_nq_gt_nk": (1, 6, 6, 2300, 1500, 80, False, None),              # 16: one wgmma K step
+    "d160_causal_kv_lengths": (2, 4, 2, 1030, 1030, 160, True, [1030, 7]),  # the 256 tile's 128 + 32
+    "d144_gqa": (1, 8, 2, 1500, 2050, 144, False, None),                  # the 256 tile's 128 + 16
 }
 
 
