@@ -26,7 +26,7 @@ Every row logs as it finishes; ``paged.md`` in --out-dir gathers them.
 
 Alone, ``python -m bench.paged`` sweeps what the kernels could be launched with: ``--sweep``
 (``ragged_fwd``'s configs per class), ``--split-sweep`` (``SPLIT_WAVES``), ``--pipeline-sweep``
-(``paged_decode``'s stages and block size at pages of 16).
+(``paged_decode``'s loader, stages and block size at pages of 16 and 64).
 """
 
 from __future__ import annotations
@@ -620,16 +620,18 @@ def split_sweep(log, waves=(1, 2, 3, 4)) -> list[dict]:
     return rows
 
 
-PIPELINES = [(2, 64), (3, 64), (4, 64), (2, 128), (3, 128)]  # paged_decode's (stages, keys a block)
+# paged_decode's (loader warp, K/V blocks in flight, keys a block)
+PIPELINES = [(False, 2, 64), (True, 2, 64), (True, 3, 64)]
 
 
-def pipeline_sweep(log, pipelines=PIPELINES) -> list[dict]:
-    """The paged decode rows at pages of 16 with each of ``paged_decode``'s (K/V blocks in flight,
-    keys a block) in turn (``ragged.GLUON_DECODE_STAGES``, ``GLUON_DECODE_BLOCK_N``): GB/s of K+V,
-    device time, rotated inputs, medians of three; ``contiguous``: ``flash``'s decode."""
+def pipeline_sweep(log, pipelines=PIPELINES, pages=(16, 64)) -> list[dict]:
+    """The paged decode rows at each page size of ``pages`` with each pipeline in turn: the loader
+    warp of ``paged_decode_ws`` or ``paged_decode``'s copies issued by its consumers, whatever
+    ``ragged.GLUON_DECODE_LOADER`` picks; ``GLUON_DECODE_STAGES``; ``GLUON_DECODE_BLOCK_N``. GB/s of
+    K+V, device time, rotated inputs, medians of three; ``contiguous``: ``flash``'s decode."""
     import kernels.ragged as rg
 
-    shipped = rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N
+    shipped = rg.GLUON_DECODE_LOADER, rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N
     rows = []
     for b, spec in DECODE:
         lens, work, qs = _decode_inputs(b, spec)
@@ -638,22 +640,26 @@ def pipeline_sweep(log, pipelines=PIPELINES) -> list[dict]:
         conts = [(qq.view(b, HQ, 1, D), torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE),
                   torch.randn(b, HKV, n_max, D, device="cuda", dtype=DTYPE)) for qq in qs]
         fns = [functools.partial(flash_forward, *t, causal=True, scale=D ** -0.5, kv_lengths=kvl) for t in conts]
-        row: dict = {"B": b, "keys": _keys(spec), "contiguous": round(work / rotated_ms(fns) / 1e6)}
+        contiguous = round(work / rotated_ms(fns) / 1e6)
         del conts, fns
-        caches, fns = _paged_calls(qs, lens, 16)
-        ref = fns[0]()[0].float()
-        try:
-            for stages, block_n in pipelines:
-                rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N = stages, block_n
-                err = (fns[0]()[0].float() - ref).abs().max().item()
-                gbs = round(work / statistics.median(rotated_ms(fns) for _ in range(3)) / 1e6)
-                row[f"s{stages}_n{block_n}"] = gbs if err < 1e-2 else f"wrong ({err:.1e})"
-        finally:
-            rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N = shipped
-        log("  pipeline sweep " + ", ".join(f"{k}={v}" for k, v in row.items()))
-        rows.append(row)
-        del caches, fns
-        torch.cuda.empty_cache()
+        for page in pages:
+            row: dict = {"B": b, "keys": _keys(spec), "page": page, "contiguous": contiguous}
+            caches, fns = _paged_calls(qs, lens, page)
+            ref = fns[0]()[0].float()
+            try:
+                for loader, stages, block_n in pipelines:
+                    rg.GLUON_DECODE_LOADER = page if loader else 0
+                    rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N = stages, block_n
+                    err = (fns[0]()[0].float() - ref).abs().max().item()
+                    gbs = round(work / statistics.median(rotated_ms(fns) for _ in range(3)) / 1e6)
+                    name = f"{'ws' if loader else 'plain'}_s{stages}_n{block_n}"
+                    row[name] = gbs if err < 1e-2 else f"wrong ({err:.1e})"
+            finally:
+                rg.GLUON_DECODE_LOADER, rg.GLUON_DECODE_STAGES, rg.GLUON_DECODE_BLOCK_N = shipped
+            log("  pipeline sweep " + ", ".join(f"{k}={v}" for k, v in row.items()))
+            rows.append(row)
+            del caches, fns
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -666,7 +672,7 @@ if __name__ == "__main__":
     mode.add_argument("--sweep", action="store_true", help="each class's launch config replaced in turn")
     mode.add_argument("--split-sweep", action="store_true", help="the decode rows at SPLIT_WAVES 1..4")
     mode.add_argument("--pipeline-sweep", action="store_true",
-                      help="the decode rows at pages of 16 with each of paged_decode's stages and block sizes")
+                      help="the decode rows at pages of 16 and 64 with each of paged_decode's pipelines")
     ap.add_argument("--out", default="paged_sweep.md")
     a = ap.parse_args()
     if a.split_sweep or a.pipeline_sweep:

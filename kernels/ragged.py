@@ -61,6 +61,11 @@ GLUON_DECODE = True       # paged decode items on Hopper run paged_decode (Gluon
 GLUON_DECODE_BLOCK_N = 64  # paged_decode's keys a block: page_tokens a multiple, or a divisor of at least
 GLUON_DECODE_MIN_PAGE = 16  # ... this many tokens (a block is then one TMA copy per page)
 GLUON_DECODE_STAGES = 2   # paged_decode's K/V blocks in flight per program, as attn_decode's
+# pages of at most this many tokens run paged_decode_ws: a loader warp issues a block's copies, one
+# a page, with no CTA barrier around each; from pages of 64 (one copy a block) paged_decode is as fast.
+# Its 8 warps (the loader's warpgroup padded) at WS_MAXNREG registers a thread keep two programs an SM
+GLUON_DECODE_LOADER = 32
+WS_MAXNREG = 128
 GLUON_PREFILL = True      # prefill and chunk items on Hopper run ragged_prefill (Gluon) where it takes them
 GLUON_ROWS = 128          # ragged_prefill's query rows a tile: the plan's prefill and chunk BLOCK_M under it
 
@@ -448,14 +453,16 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, *
             continue
         descs = gluon_decode_descriptors(q, k, v, paged, cfg, masks) if decode and paged else None
         if descs is not None:
-            from .jit.gluon_paged import paged_decode
+            from .jit.gluon_paged import paged_decode, paged_decode_ws
 
             args = (q, *descs, o, lse, o_part, lse_part, work, plan.seq, bt, *bt_strides, *q.stride(), *o.stride(),
                     *lse.stride(), hq, hq // hkv, scale * jit.LOG2E)
-            launch(paged_decode, (work.shape[0], hkv, 1), args,
+            ws = page <= GLUON_DECODE_LOADER
+            fn, options = (paged_decode_ws, dict(maxnreg=WS_MAXNREG)) if ws else (paged_decode, {})
+            launch(fn, (work.shape[0], hkv, 1), args,
                    dict(PAGE=page, ROW_TILE=cfg.block_m, IS_CAUSAL=bool(causal), STAGES=GLUON_DECODE_STAGES,
                         BLOCK_N=GLUON_DECODE_BLOCK_N),
-                   num_warps=4)
+                   num_warps=4, **options)
             continue
         prefill = None if decode else gluon_prefill_check(q, k, v, paged, cfg, masks)
         if prefill is not None and prefill[0] is not None:
