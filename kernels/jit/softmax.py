@@ -58,12 +58,19 @@ def online_softmax_block(
         dist = tl.abs(i_rows[:, None] + causal_off - cols[None, :]).to(tl.float32)   # |i_al - j|
         s = s - slopes[:, None] * dist
     if MASKED:
-        visible = cols[None, :] < n_k
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= i_rows[:, None] + causal_off)
-        if WINDOW:
-            i_al = i_rows[:, None] + causal_off
-            visible = visible & (cols[None, :] >= i_al - win_left) & (cols[None, :] <= i_al + win_right)
+        if IS_CAUSAL or WINDOW:
+            # each row's first and last visible key, worked out per row: one or two compares a score
+            i_al = i_rows + causal_off
+            right = i_al
+            if WINDOW:
+                right = i_al + win_right
+                if IS_CAUSAL:
+                    right = tl.minimum(right, i_al)
+            visible = cols[None, :] <= tl.minimum(right, n_k - 1)[:, None]
+            if WINDOW:
+                visible = visible & (cols[None, :] >= (i_al - win_left)[:, None])
+        else:
+            visible = cols[None, :] < n_k
         s = tl.where(visible, s, float("-inf"))
     # steps 2-3: m_new = max(m_i, rowmax(S_ij))
     m_new = tl.maximum(m_i, tl.max(s, 1))
