@@ -202,13 +202,25 @@ class SessionManager:
             dtype = DTYPES[dtype]
         elif dtype not in STEP_DTYPES:
             raise InvalidInput(f"dtype {dtype} is not supported; choose float16, bfloat16 or float32")
+        g = Geometry(num_kv_heads, head_dim, dtype)
+        self._check_fits(g)
         sid = self.table.new_id(session)
         worker = max(range(len(self.workers)), key=lambda i: (self.caches[i].free_bytes, -i))
-        g = Geometry(num_kv_heads, head_dim, dtype)
         g = self._geometries.setdefault(g, g)  # one object per geometry: a step's checks compare identities
         s = Session(sid, worker, g, [SequenceKV() for _ in range(layers)])
         self.table.add(s)
         return self._info(s)
+
+    def _check_fits(self, g: Geometry) -> None:
+        """507 for a geometry whose one page is more than a worker's whole cache: such a session
+        could never hold a key, and every step would fail."""
+        cache = max(self.caches, key=lambda c: c.capacity_bytes)
+        page = g.page_bytes(cache.page_tokens)
+        if page > cache.capacity_bytes:
+            raise InsufficientStorage(
+                f"a session of {g.num_kv_heads} kv heads x head_dim {g.head_dim} in {DTYPE_NAMES[g.dtype]} takes "
+                f"{page / 2**20:.2f} MiB a page of {cache.page_tokens} tokens (keys and values), more than the "
+                f"whole KV cache of {cache.capacity_bytes / 2**20:.2f} MiB (--kv-cache-mb)")
 
     def describe(self, session: str) -> dict[str, Any]:
         return self._info(self.table.get(session))

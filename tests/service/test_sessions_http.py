@@ -281,6 +281,7 @@ def test_create_get_delete_and_errors(http):
     create(http, hkv=0, status=422)
     create(http, d=257, status=422)
     create(http, dtype="int32", status=422)
+    create(http, hkv=2**40, status=507)  # a page of it would not fit any cache
     assert http.post("/sessions", json={"head_dim": 8}).status_code == 400
     assert http.post("/sessions", json={"num_kv_heads": 1, "head_dim": 8, "colour": 1}).status_code == 400
     assert "seq:7" in http.get("/sessions").json()["sessions"]
@@ -355,6 +356,10 @@ def test_cache_full_is_507_and_idle_sessions_expire(tmp_path):
     with run_server(tmp_path, *args) as s, httpx.Client(base_url=s.url, timeout=30.0) as http:
         a = create(http, "a", hkv=1, d=4)["session"]
         b = create(http, "b", hkv=1, d=4)["session"]
+        # one page of 8 heads x 8 dims (8 KiB) is more than the whole cache: refused when created
+        err = create(http, "wide", hkv=8, d=8, status=507)
+        assert "whole KV cache" in err["error"]["message"] and err["error"]["code"] == "insufficient_storage"
+        assert http.get("/sessions/wide").status_code == 404
         kv = rand(1, 1, 48, 4, seed=1)
         step(http, a, rand(1, 1, 48, 4, seed=0), kv, kv)  # 3 pages of 8
         step(http, b, rand(1, 1, 64, 4, seed=0), torch.cat([kv, kv[:, :, :16]], 2), torch.cat([kv, kv[:, :, :16]], 2))
