@@ -139,26 +139,41 @@ def write_heads_report(out_dir: Path, rows, meta, seconds: float) -> str:
 
 
 # attn_fwd_ws's tile alternatives by tile D (``hopper.GLUON_TILES`` values: keys a block, O through the
-# Q buffers, consumer registers), for ``python -m bench.heads --tiles``
-TILE_CHOICES = {128: [(128, False, 232), (64, False, 232)],
+# Q buffers, consumer registers), for ``python -m bench.heads --tiles``. A tile of 64 is not shipped
+# (D 64 runs attn_fwd_tma and attn_fwd): the sweep lowers ``hopper.GLUON_MIN_D`` to time it.
+TILE_CHOICES = {64: [(128, False, 232), (64, False, 232)],
+                128: [(128, False, 232), (64, False, 232)],
                 256: [(64, True, 240), (64, True, 232), (32, False, 240), (32, True, 240)]}
 TILE_SHAPES = [("bfloat16", 1, 16, 16, 4096, 4096, 256, True), ("bfloat16", 1, 16, 16, 4096, 4096, 256, False),
-               ("bfloat16", 2, 16, 16, 4096, 4096, 192, True), ("bfloat16", 4, 16, 16, 2048, 2048, 96, False)]
+               ("bfloat16", 2, 16, 16, 4096, 4096, 192, True), ("bfloat16", 4, 16, 16, 2048, 2048, 96, False),
+               ("bfloat16", 4, 32, 32, 4096, 4096, 64, True), ("bfloat16", 4, 32, 32, 4096, 4096, 64, False)]
 
 
 def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
-    """Each of ``TILE_CHOICES`` in turn for the shapes' tile D, TFLOP/s as ``bench_heads``'."""
+    """Each of ``TILE_CHOICES`` in turn for the shapes' tile D, beside the shipped dispatch
+    (``shipped``: for D 64 the Triton kernels), TFLOP/s as ``bench_heads``'."""
     from kernels import hopper
 
     results = []
-    kept = dict(hopper.GLUON_TILES)
+    kept, kept_min_d = dict(hopper.GLUON_TILES), hopper.GLUON_MIN_D
+
+    def restore() -> None:
+        hopper.GLUON_TILES.clear()
+        hopper.GLUON_TILES.update(kept)
+        hopper.GLUON_MIN_D = kept_min_d
+        hopper._recipes.clear()
+
     try:
         for dt, b, hq, hkv, n_q, n_k, d, causal in shapes:
             dtype = getattr(torch, dt)
             sets = inputs(b, hq, hkv, n_q, n_k, d, dtype, sets=2)
             flops = 4.0 * d * b * hq * visible_pairs(n_q, n_k, causal)
-            box = hopper.gluon_box(d)
+            box = min(t for t in TILE_CHOICES if d <= t)
             row = {"shape": f"{dt} {b}x{hq}/{hkv}x{n_q}x{n_k}x{d}" + (" causal" if causal else "")}
+            restore()
+            ms, _, _ = timed(_fn("flash", n_q, n_k), sets, causal, rep=rep)
+            row["shipped"] = round(flops / ms / 1e9)
+            hopper.GLUON_MIN_D = min(kept_min_d, box)
             for tile in TILE_CHOICES[box]:
                 hopper.GLUON_TILES[box] = tile
                 hopper._recipes.clear()
@@ -169,9 +184,7 @@ def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
             del sets
             torch.cuda.empty_cache()
     finally:
-        hopper.GLUON_TILES.clear()
-        hopper.GLUON_TILES.update(kept)
-        hopper._recipes.clear()
+        restore()
     return results
 
 
