@@ -41,6 +41,26 @@ def _load(desc, smem, bar, b, kvh, key, pred):
 
 
 @gluon.jit
+def _softmax_start(BLOCK_N: gl.constexpr, D: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """The online softmax before its first key block: (acc (ROWS, D) zeros, m_i -inf, l_i zeros,
+    s (ROWS, BLOCK_N), the scores' accumulator)."""
+    acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
+    m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
+    s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+    return acc, m_i, l_i, s
+
+
+@gluon.jit
+def _pv(p, v, acc, p_layout: gl.constexpr):
+    """acc + P V_j, waited for: p (ROWS, BLOCK_N) float32, v (BLOCK_N, D) in shared memory."""
+    p16 = gl.convert_layout(p.to(v.dtype), p_layout)
+    acc = warpgroup_mma(p16, v, acc, is_async=True)
+    acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+    return acc
+
+
+@gluon.jit
 def _softmax_block(s, m_i, l_i, acc, start, kv_len, first_diag, diag, s_layout: gl.constexpr,
                    o_layout: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """One key block of the online softmax: s (ROWS, BLOCK_N), the scaled scores of keys
@@ -140,10 +160,7 @@ def attn_decode(
 
     rs = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     diag = gl.expand_dims(rs % N_Q + N_K - N_Q, 1)  # causal: the last key each row sees
-    acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
-    m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+    acc, m_i, l_i, s = _softmax_start(BLOCK_N, D, s_layout, o_layout)
     for j in range(n_blocks):
         st = j % STAGES
         phase = (j // STAGES) & 1
@@ -157,9 +174,7 @@ def attn_decode(
         p, m_i, l_i, acc = _softmax_block(s * qk_scale, m_i, l_i, acc, start, kv_len, N_K - N_Q, diag, s_layout,
                                           o_layout, IS_CAUSAL)
         mbarrier.wait(v_ready.index(st), phase)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        acc = _pv(p, v_smem.index(st), acc, p_layout)
         gl.thread_barrier()
         _load(desc_v, v_smem.index(st), v_ready.index(st), b, kvh, start + STAGES * BLOCK_N, refill)
 

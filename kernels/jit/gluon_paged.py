@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_decode import ROWS, _load, _softmax_block
+from .gluon_decode import ROWS, _load, _pv, _softmax_block, _softmax_start
 from .gluon_ragged import _plan_item
 
 WS_LOADER_REGS = gl.constexpr(24)  # paged_decode_ws's loader warp: page ids, their addresses, the copies
@@ -193,10 +193,7 @@ def paged_decode(
 
     rs = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     diag = gl.expand_dims((tile * ROW_TILE + rs) % n_q + n_k - n_q, 1)  # causal: the last key each row sees
-    acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
-    m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+    acc, m_i, l_i, s = _softmax_start(BLOCK_N, D, s_layout, o_layout)
     for j in range(n_blocks):
         st = j % STAGES
         phase = (j // STAGES) & 1
@@ -215,9 +212,7 @@ def paged_decode(
         mbarrier.wait(v_ready.index(st), phase)
         if start + BLOCK_N > n_k:  # 0 · NaN is NaN: the slots past n_k must hold zeros, not whatever they hold
             _zero_rows_past(v_smem.index(st), start, n_k, ld_layout)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        acc = _pv(p, v_smem.index(st), acc, p_layout)
         gl.thread_barrier()
         _load_block(desc_v, v_smem.index(st), v_ready.index(st), page, kvh, key, PAGE, SUB, refill)
 
@@ -256,7 +251,6 @@ def _ws_consumer(Q, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
     """One warpgroup: the tile's rows against every block the loader brings, then o and lse."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = k_smem.shape[2]
-    dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -274,10 +268,7 @@ def _ws_consumer(Q, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
 
     rs = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     diag = gl.expand_dims((tile * ROW_TILE + rs) % n_q + n_k - n_q, 1)  # causal: the last key each row sees
-    acc = gl.zeros([ROWS, D], dtype=gl.float32, layout=o_layout)
-    m_i = gl.full([ROWS], float("-inf"), dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], dtype=gl.float32, layout=gl.SliceLayout(1, s_layout))
-    s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+    acc, m_i, l_i, s = _softmax_start(BLOCK_N, D, s_layout, o_layout)
     for j in range(n_blocks):
         st = j % STAGES
         phase = (j // STAGES) & 1
@@ -291,9 +282,7 @@ def _ws_consumer(Q, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 
         mbarrier.wait(v_ready.index(st), phase)
         if start + BLOCK_N > n_k:  # 0 · NaN is NaN: the slots past n_k must hold zeros, not whatever they hold
             _zero_rows_past(v_smem.index(st), start, n_k, ld_layout)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        acc = _pv(p, v_smem.index(st), acc, p_layout)
         mbarrier.arrive(v_empty.index(st))
 
     _store_out(acc, m_i, l_i, O, LSE, O_PART, LSE_PART, q0, n_q, tile, kvh, part, GROUP, H_Q, stride_ot, stride_oh,
