@@ -83,13 +83,19 @@ def _scores(s, qk_scale, start, kv_len, diag, win_left, win_right, cap, slope, I
         masked = masked | (last > diag + win_right) | (start < diag + ROWS - 1 - win_left)
     if masked:
         cols = gl.expand_dims(start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
-        keep = cols < kv_len
         if IS_CAUSAL or WINDOW:
-            rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)), 1) + diag
-            if IS_CAUSAL:
-                keep = keep & (cols <= rows)
+            # One bound per row, then one compare per element: the last key a row sees.
+            rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)) + diag
+            right = rows
             if WINDOW:
-                keep = keep & (cols >= rows - win_left) & (cols <= rows + win_right)
+                right = rows + win_right
+                if IS_CAUSAL:
+                    right = gl.minimum(right, rows)
+            keep = cols <= gl.expand_dims(gl.minimum(right, kv_len - 1), 1)
+            if WINDOW:
+                keep = keep & (cols >= gl.expand_dims(rows - win_left, 1))
+        else:
+            keep = cols < kv_len
         s = gl.where(keep, s, float("-inf"))
     return s
 
