@@ -66,27 +66,21 @@ def _tensor(msg) -> torch.Tensor:
     return tensors.tensor_from_bytes(bytearray(msg.data), list(msg.shape), grpc_codec.DTYPE_OF_ENUM[msg.dtype])
 
 
-def _opt(t: torch.Tensor | None):
-    return grpc_codec.tensor_to_pb(t) if t is not None else None
-
-
 def attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                    scale: float | None = None, kv_lengths: torch.Tensor | None = None,
                    return_lse: bool = False, layout: str = "bhnd", kernel: str = "auto",
                    request_id: str = "", window_size: Sequence[int] | None = None, softcap: float | None = None,
                    alibi_slopes: torch.Tensor | None = None):
     """The AttendRequest message of one call (the keyword arguments of ``attention``)."""
-    return pb.AttendRequest(
-        q=grpc_codec.tensor_to_pb(q), k=grpc_codec.tensor_to_pb(k), v=grpc_codec.tensor_to_pb(v),
-        causal=causal, scale=scale, layout=layout, return_lse=return_lse, kv_lengths=_opt(kv_lengths),
-        kernel=kernel, request_id=request_id, **_masks(window_size, softcap, alibi_slopes),
-    )
+    msg = pb.AttendRequest(causal=causal, scale=scale, layout=layout, return_lse=return_lse, kernel=kernel,
+                           request_id=request_id, **_masks(window_size, softcap))
+    return grpc_codec.with_tensors(msg, q=q, k=k, v=v, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes)
 
 
-def _masks(window_size: Sequence[int] | None, softcap: float | None, alibi_slopes: torch.Tensor | None) -> dict:
-    """The score modifiers' message fields; None leaves a field unset (the server's default)."""
-    return {"window_size": None if window_size is None else list(window_size), "softcap": softcap,
-            "alibi_slopes": _opt(alibi_slopes)}
+def _masks(window_size: Sequence[int] | None, softcap: float | None) -> dict:
+    """The score modifiers' scalar message fields (the slopes are a tensor); None leaves a field
+    unset (the server's default)."""
+    return {"window_size": None if window_size is None else list(window_size), "softcap": softcap}
 
 
 def _result(resp) -> Result:
@@ -179,8 +173,8 @@ class GrpcAttentionClient(SessionsMixin):
                    positions: torch.Tensor | None = None,
                    kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, N, hidden) -> y: (B, N, hidden)."""
-        req = pb.LayerRequest(layer=name, x=grpc_codec.tensor_to_pb(x), causal=causal,
-                              positions=_opt(positions), kv_lengths=_opt(kv_lengths))
+        req = grpc_codec.with_tensors(pb.LayerRequest(layer=name, causal=causal), x=x, positions=positions,
+                                      kv_lengths=kv_lengths)
         return _tensor(self._call(self._stub.CallLayer, req).y)
 
     def ready(self) -> bool:
@@ -237,13 +231,13 @@ def session_attend_request(sessions: list[str] | str, q: torch.Tensor, k: torch.
                            window_size: Sequence[int] | None = None, softcap: float | None = None,
                            alibi_slopes: torch.Tensor | None = None):
     """The SessionAttendRequest message of one step (one session, 4-D q) or packed step (q_lengths)."""
-    return pb.SessionAttendRequest(
+    msg = pb.SessionAttendRequest(
         sessions=[sessions] if isinstance(sessions, str) else [str(s) for s in sessions], layer=layer,
-        q=grpc_codec.tensor_to_pb(q), k=_opt(k), v=_opt(v),
-        q_lengths=None if q_lengths is None else grpc_codec.tensor_to_pb(q_lengths_tensor(q_lengths)),
         causal=causal, scale=scale, return_lse=return_lse, end=end, request_id=request_id,
-        layout="" if q_lengths is not None else layout, **_masks(window_size, softcap, alibi_slopes),
+        layout="" if q_lengths is not None else layout, **_masks(window_size, softcap),
     )
+    return grpc_codec.with_tensors(msg, q=q, k=k, v=v, alibi_slopes=alibi_slopes,
+                                   q_lengths=None if q_lengths is None else q_lengths_tensor(q_lengths))
 
 
 def _session_info(msg) -> dict[str, Any]:

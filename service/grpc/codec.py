@@ -11,6 +11,7 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from service.grpc.protogen import attention_stubs
 from service.wire import tensors
 from service.wire.options import parse_options
 from service.wire.tensors import check_dims, kv_lengths_int32
+
+if TYPE_CHECKING:
+    from service.sessions import SessionResult
 
 pb = attention_stubs().attention_pb2
 
@@ -46,9 +50,28 @@ def tensor_from_pb(parent, field: str, *, required: bool = True) -> torch.Tensor
 
 def tensor_to_pb(t: torch.Tensor):
     """A torch tensor -> attention.v1.Tensor (little-endian, row-major)."""
+    return put_tensor(pb.Tensor(), t)
+
+
+def put_tensor(field, t: torch.Tensor):
+    """Write ``t`` into ``field``, an attention.v1.Tensor inside a message being built; returns it.
+    Built in place because a message handed to a constructor is copied, bytes and all, and the
+    copy makes serializing it several times slower too (protobuf's upb)."""
     if t.dtype not in ENUM_OF_DTYPE:
         raise InvalidInput(f"dtype {t.dtype} cannot travel as an attention.v1.Tensor")
-    return pb.Tensor(shape=list(t.shape), dtype=ENUM_OF_DTYPE[t.dtype], data=tensors.tensor_to_bytes(t))
+    field.shape.extend(t.shape)
+    field.dtype = ENUM_OF_DTYPE[t.dtype]
+    field.data = tensors.tensor_to_bytes(t)
+    return field
+
+
+def with_tensors(msg, **fields: torch.Tensor | None):
+    """``msg`` with each named attention.v1.Tensor field written from a torch tensor, in place
+    (``put_tensor``); None leaves a field unset."""
+    for name, t in fields.items():
+        if t is not None:
+            put_tensor(getattr(msg, name), t)
+    return msg
 
 
 def dtype_to_pb(dtype: torch.dtype | str) -> int:
@@ -89,9 +112,9 @@ def attention_request(msg, *, deadline: float | None, request_id: str | None = N
     )
 
 
-def attend_response(res: AttentionResult):
-    lse = tensor_to_pb(res.lse) if res.lse is not None else None
-    return pb.AttendResponse(o=tensor_to_pb(res.o), lse=lse, request_id=res.request_id)
+def attend_response(res: AttentionResult | SessionResult):
+    """An answer (o, lse, request_id: a call's or a session step's) -> attention.v1.AttendResponse."""
+    return with_tensors(pb.AttendResponse(request_id=res.request_id), o=res.o, lse=res.lse)
 
 
 def layer_request(msg, *, deadline: float | None) -> LayerRequest:
@@ -106,7 +129,7 @@ def layer_request(msg, *, deadline: float | None) -> LayerRequest:
 
 
 def layer_response(res: LayerResult):
-    return pb.LayerResponse(y=tensor_to_pb(res.y), request_id=res.request_id)
+    return with_tensors(pb.LayerResponse(request_id=res.request_id), y=res.y)
 
 
 def layer_info(info):

@@ -22,7 +22,7 @@ from typing import Any
 from service.errors import BadRequest
 from service.grpc import codec, forward
 from service.grpc.codec import declared_bytes, offload, result_bytes
-from service.sessions import SessionResult, SessionStep
+from service.sessions import SessionStep
 from service.wire.tensors import DTYPE_NAMES, ServerTiming
 
 pb = codec.pb
@@ -53,11 +53,6 @@ def session_step(msg, *, deadline: float | None, request_id: str | None = None) 
     if msg.layout not in ("", "bhnd"):
         raise BadRequest("a packed step's tensors are [T, H, D]: it takes no layout")
     return SessionStep.packed(sessions, q, k, v, codec.tensor_from_pb(msg, "q_lengths"), **options)
-
-
-def step_response(res: SessionResult):
-    lse = codec.tensor_to_pb(res.lse) if res.lse is not None else None
-    return pb.AttendResponse(o=codec.tensor_to_pb(res.o), lse=lse, request_id=res.request_id)
 
 
 def session_info(info: dict[str, Any]):
@@ -99,7 +94,7 @@ class SessionServicer:
         timing.mark("decode")
         res = await self.engine.sessions.step(step)
         timing.engine(res.stamps)
-        out = await offload(result_bytes(res.o, res.lse), step_response, res)
+        out = await offload(result_bytes(res.o, res.lse), codec.attend_response, res)
         timing.mark("encode")
         return out
 

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from layer_fixtures import write_bert
 
 from service.client import GrpcAttentionClient, GrpcAttentionServiceError
+from service.errors import InvalidInput
 from service.grpc.codec import deadline_of, tensor_from_pb, tensor_to_pb
 from service.grpc.protogen import attention_stubs
 from service.layers import load_layer
@@ -572,6 +573,25 @@ def test_declared_bytes_are_the_tensors_bytes():
     req.inputs.add(name="q", datatype="FP16", shape=[1, 2, 3, 4])
     req.inputs.add(name="k", datatype="FP32", shape=[1, 2, 3, 4])
     assert declared_bytes(req) == 24 * 2 + 24 * 4
+
+
+def test_with_tensors_builds_the_message_the_constructor_builds():
+    """``with_tensors`` writes tensors into a message in place: the same bytes on the wire as the
+    message built from ``tensor_to_pb`` parts, None leaves a field unset, and a dtype the wire has
+    no name for is refused before anything is written."""
+    from service.grpc.codec import with_tensors
+
+    q, k, v = random_qkv((1, 3, 1, 5, 7, 16), torch.bfloat16, 3)
+    lengths = torch.tensor([5], dtype=torch.int32)
+    built = with_tensors(pb.AttendRequest(causal=True, request_id="r"), q=q, k=k, v=v, kv_lengths=lengths,
+                         alibi_slopes=None)
+    expected = pb.AttendRequest(q=tensor_to_pb(q), k=tensor_to_pb(k), v=tensor_to_pb(v),
+                                kv_lengths=tensor_to_pb(lengths), causal=True, request_id="r")
+    assert built.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+    assert not built.HasField("alibi_slopes")
+    assert torch.equal(tensor_from_pb(built, "k"), k)
+    with pytest.raises(InvalidInput, match="cannot travel"):
+        with_tensors(pb.AttendRequest(), q=torch.zeros(2, dtype=torch.complex64))
 
 
 def test_grpc_floor_bench_measures_every_server_kind():
