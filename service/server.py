@@ -90,6 +90,9 @@ async def serve(settings: Settings) -> int:
     except ValueError as exc:  # LayerConfigError is a ValueError too
         log.error("cannot start: %s", exc)
         return 2
+    # the workers warm (on their launcher threads) while the servers are built and bind their ports
+    start_task = asyncio.create_task(engine.start())
+    await asyncio.sleep(0)
     app = forward.wrap_http(create_app(engine, settings), settings)  # session calls reach their process
     bodies = None
     if settings.patch_uvicorn:
@@ -124,7 +127,6 @@ async def serve(settings: Settings) -> int:
         await grpc_server.start()
         log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
     http_task = asyncio.create_task(_serve_http(http, sockets))
-    start_task = asyncio.create_task(engine.start())
     stop_task = asyncio.create_task(stop.wait())
     refresh_task = asyncio.create_task(refresh_metrics(engine)) if metrics.MULTIPROCESS else None
     trim_task = None
