@@ -67,6 +67,9 @@ async def trim_heap_when_idle(engine: Any, idle_s: float, bodies: Any = None) ->
     pinned body buffers (``bodies.trim()``, when given) and the GPU workers' cached pinned staging
     buffers (``engine.release_cached_host_memory``) go back too: they count in the RSS as well.
     A body still being uploaded is not seen: a trim then costs it page faults, not correctness.
+    The GPUs get back the blocks torch's caching allocator keeps free as well
+    (``engine.release_cached_device_memory``), so that the device memory an ended session held
+    shows as free again.
     """
     malloc_trim = getattr(_glibc(), "malloc_trim", None)
     if malloc_trim is None:
@@ -83,6 +86,7 @@ async def trim_heap_when_idle(engine: Any, idle_s: float, bodies: Any = None) ->
         await asyncio.sleep(idle_s)
         now = engine.activity
         if now == seen and now != trimmed and engine.requests_held == 0:
+            await engine.release_cached_device_memory()
             await asyncio.to_thread(release)  # off the loop
             trimmed = now
         seen = now

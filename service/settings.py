@@ -167,7 +167,8 @@ class Settings(BaseSettings):
     memory_trim_idle_s: float = Field(
         10.0, ge=0,
         description="after this many seconds without requests, hand the memory kept from big request "
-        "bodies back to the OS (kept while requests come, for reuse: see --max-body-mb); 0 keeps it",
+        "bodies back to the OS (kept while requests come, for reuse: see --max-body-mb), and the free "
+        "blocks torch keeps cached on each GPU (an ended session's KV pages) back to the card; 0 keeps them",
     )
     tune_allocator: bool = Field(
         True,

@@ -197,6 +197,13 @@ class Engine:
         if self.on_gpu:
             release_pinned_memory()
 
+    async def release_cached_device_memory(self) -> None:
+        """Give each GPU the blocks torch's caching allocator keeps free (an ended session's KV
+        pages return there), on the worker's launcher thread, in order with its launches and CUDA
+        graph captures. For an idle server: nvidia-smi then shows what the tensors hold."""
+        await asyncio.gather(*(w.run_on_device(_empty_device_cache) for w in self.workers
+                               if w.device.type == "cuda"))
+
     def layer_infos(self) -> list:
         return [layer.info for layer in self._layers.values()]
 
@@ -215,3 +222,10 @@ class Engine:
 
 
 __all__ = ["Engine"]
+
+
+def _empty_device_cache(lock: Any) -> tuple[None, None]:
+    import torch
+
+    torch.cuda.empty_cache()  # the launcher thread's device
+    return None, None

@@ -151,6 +151,15 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",  # processes that share a device: their sum
         )
+        self.memory_reserved = Gauge(
+            "attnserve_gpu_memory_reserved_bytes",
+            "Device memory torch's caching allocator holds from the card (torch.cuda.memory_reserved): "
+            "the tensors and the free blocks kept for reuse, given back once the server is idle "
+            "(--memory-trim-idle-s)",
+            ["device"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.memory_total = Gauge(
             "attnserve_gpu_memory_total_bytes", "Device memory of the card", ["device"], registry=r,
             multiprocess_mode="livemax",
@@ -206,6 +215,7 @@ class Metrics:
 
         index = torch.device(device).index or 0
         self._sample(self.memory_used.labels(device), lambda: torch.cuda.memory_allocated(index))
+        self._sample(self.memory_reserved.labels(device), lambda: torch.cuda.memory_reserved(index))
         self.memory_total.labels(device).set(torch.cuda.get_device_properties(index).total_memory)
 
 

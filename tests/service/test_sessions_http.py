@@ -543,3 +543,34 @@ def test_gpu_packed_steps_replay_graphs_with_the_bits_of_launches(tmp_path):
         replays = metric(h_on, "attnserve_session_graph_exec_total") - graphs0
         assert replays >= 6, replays  # the decode rounds after the first, the uneven and 1-row rounds
         assert metric(h_off, "attnserve_session_graph_exec_total") == 0
+
+
+@pytest.mark.gpu
+def test_gpu_memory_goes_back_to_the_card_once_sessions_end(tmp_path):
+    """Sessions' KV pages come out of the GPU and, once every session has ended and the server has
+    been idle for --memory-trim-idle-s, the memory torch holds from the card
+    (attnserve_gpu_memory_reserved_bytes, what nvidia-smi counts beside the CUDA context) falls back
+    to where it was before the first session; the tensors' own (attnserve_gpu_memory_used_bytes)
+    to zero."""
+    hkv, d, n = 8, 128, 16384  # 8 sessions x 16384 keys x 8 heads x 128 x 2 (k, v) x 2 bytes = 512 MiB
+    with run_server(tmp_path, "--device", "cuda:0", "--grpc-port", "0", "--memory-trim-idle-s", "1",
+                    "--kv-cache-mb", "1024", "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", "bfloat16") as s, \
+            httpx.Client(base_url=s.url, timeout=120.0) as http:
+        time.sleep(2.5)
+        before = metric(http, "attnserve_gpu_memory_reserved_bytes")
+        sids = [create(http, hkv=hkv, d=d, dtype="bfloat16")["session"] for _ in range(8)]
+        for i, sid in enumerate(sids):
+            q, k, v = (rand(1, h, n, d, seed=10 * i + j).to(torch.bfloat16) for j, h in enumerate((hkv, hkv, hkv)))
+            step(http, sid, q, k, v)
+        held = metric(http, "attnserve_gpu_memory_used_bytes")
+        assert held >= 512 << 20, held
+        assert metric(http, "attnserve_gpu_memory_reserved_bytes") >= before + (512 << 20)
+        for sid in sids:
+            assert http.delete(f"/sessions/{sid}").status_code == 204
+        deadline = time.monotonic() + 20
+        while metric(http, "attnserve_gpu_memory_reserved_bytes") > before + (32 << 20) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        after = metric(http, "attnserve_gpu_memory_reserved_bytes")
+        assert after <= before + (32 << 20), (before >> 20, after >> 20)
+        assert metric(http, "attnserve_gpu_memory_used_bytes") < 64 << 20
