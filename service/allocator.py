@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 from typing import Any
+
+log = logging.getLogger("attnserve")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
 MAX_KEPT_BYTES = 1 << 30  # the largest freed block kept for reuse, whatever --max-body-mb says
@@ -86,7 +89,10 @@ async def trim_heap_when_idle(engine: Any, idle_s: float, bodies: Any = None) ->
         await asyncio.sleep(idle_s)
         now = engine.activity
         if now == seen and now != trimmed and engine.requests_held == 0:
-            await engine.release_cached_device_memory()
+            try:
+                await engine.release_cached_device_memory()
+            except Exception as exc:  # noqa: BLE001 - the host memory still goes back
+                log.warning("giving cached device memory back failed: %r", exc)
             await asyncio.to_thread(release)  # off the loop
             trimmed = now
         seen = now
