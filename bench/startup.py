@@ -8,8 +8,9 @@ For each --precompile mode (processes, threads, off) the server starts twice on 
 TRITON_CACHE_DIR: cold (nothing compiled, no autotune choice stored), then warm (the same folder,
 as a restarted pod on its cache volume finds it). With the default --ablate, the processes mode
 also starts warm once more with --no-autotune-cache (every autotuned key timed again). Each row:
-seconds from the process's start to /readyz 200, the worker's own warm-up seconds and the
-precompile line from its log. Default warm-up (--warmup-shapes/--warmup-dtypes defaults) unless
+seconds from the process's start to /readyz 200; from its log, when the first line came (the
+imports done), when gRPC listened (the servers built), when the last worker was warm, the worker's
+own warm-up seconds and the precompile line. Default warm-up (--warmup-shapes/--warmup-dtypes defaults) unless
 server flags say otherwise. The table is written after every run, so a stopped run keeps its rows.
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("processes", "threads", "off")
 _WARM = re.compile(r"worker (\S+) warm in ([\d.]+)s")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)  # logging's asctime
 _PRE = re.compile(r"precompile: (\d+) kernel variants recorded in ([\d.]+)s, (\d+) cached already, (\d+) compiled "
                   r"on (\d+) (\w+) in ([\d.]+)s \(([\d.]+)s of compiling\), (\d+) failed")
 
@@ -52,7 +54,7 @@ def start_once(device: str, mode: str, cache_dir: Path, extra: list[str], log_pa
     env["TRITON_CACHE_DIR"] = str(cache_dir)
     cmd = [sys.executable, "-m", "service", "--device", device, "--host", "127.0.0.1", "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--precompile", mode, *extra]
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     ready = None
@@ -77,6 +79,7 @@ def start_once(device: str, mode: str, cache_dir: Path, extra: list[str], log_pa
     row = {"ready_s": ready, "exit": None if ready is not None else proc.returncode, "log": str(log_path)}
     if m := _WARM.search(text):
         row["warmup_s"] = float(m.group(2))
+    row.update(_timeline(text, wall0))
     if m := _PRE.search(text):
         rec, rec_s, cached, compiled, workers, kind, wall, total, failed = m.groups()
         row["precompile"] = (f"{rec} variants ({rec_s} s to list): {cached} cached, {compiled} compiled on "
@@ -86,6 +89,25 @@ def start_once(device: str, mode: str, cache_dir: Path, extra: list[str], log_pa
     elif "precompile failed" in text:
         row["precompile"] = "failed (see the log): the warm-up compiled alone"
     return row
+
+
+def _timeline(text: str, wall0: float) -> dict:
+    """Seconds from the process's start to its first log line (the imports done), to "gRPC
+    listening" (the servers built) and to the last worker's "warm in", read off the log's
+    timestamps (millisecond resolution, the host's clock)."""
+
+    def rest_of_line(m: re.Match) -> str:
+        end = text.find("\n", m.end())
+        return text[m.end():] if end < 0 else text[m.end():end]
+
+    def at(line_pattern: str, last: bool = False) -> float | None:
+        hits = [m for m in _STAMP.finditer(text) if re.search(line_pattern, rest_of_line(m))]
+        if not hits:
+            return None
+        stamp = (hits[-1] if last else hits[0]).group(1)
+        return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall0
+
+    return {"first_log_s": at(""), "listening_s": at("gRPC listening"), "warm_end_s": at(r"warm in", last=True)}
 
 
 def _cell(x, fmt="{:.1f}") -> str:
@@ -102,12 +124,14 @@ def table(rows: list[dict], device: str, extra: list[str]) -> str:
         f"{dt.date.today()}, {platform.node()}, GPU {gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"triton {triton.__version__}; `{' '.join(['python -m service --device', device, *extra])}`",
         "",
-        "| --precompile | Triton cache | autotune cache | ready after (s) | worker warm-up (s) | precompile |",
-        "|---|---|---|---:|---:|---|",
+        "| --precompile | Triton cache | autotune cache | ready after (s) | first log line (s) | gRPC listening (s) "
+        "| warm-up ends (s) | worker warm-up (s) | precompile |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ready = _cell(r["ready_s"]) if r["ready_s"] is not None else f"not ready (exit {r['exit']})"
-        lines.append(f"| {r['mode']} | {r['cache']} | {r['autotune']} | {ready} | {_cell(r.get('warmup_s'))} "
+        lines.append(f"| {r['mode']} | {r['cache']} | {r['autotune']} | {ready} | {_cell(r.get('first_log_s'))} "
+                     f"| {_cell(r.get('listening_s'))} | {_cell(r.get('warm_end_s'))} | {_cell(r.get('warmup_s'))} "
                      f"| {r.get('precompile', '-')} |")
     lines += ["", "Targets: cold <= 30 s, warm <= 5 s. Server logs: " + ", ".join(
         sorted({str(Path(r['log']).parent) for r in rows})), ""]
