@@ -564,7 +564,7 @@ def test_gpu_memory_goes_back_to_the_card_once_sessions_end(tmp_path):
             step(http, sid, q, k, v)
         held = metric(http, "attnserve_gpu_memory_used_bytes")
         assert held >= 512 << 20, held
-        assert metric(http, "attnserve_gpu_memory_reserved_bytes") >= before + (512 << 20)
+        peak = metric(http, "attnserve_gpu_memory_reserved_bytes")  # (the pages may reuse blocks cached before)
         for sid in sids:
             assert http.delete(f"/sessions/{sid}").status_code == 204
         deadline = time.monotonic() + 20
@@ -573,4 +573,5 @@ def test_gpu_memory_goes_back_to_the_card_once_sessions_end(tmp_path):
             time.sleep(0.5)
         after = metric(http, "attnserve_gpu_memory_reserved_bytes")
         assert after <= before + (32 << 20), (before >> 20, after >> 20)
+        assert peak - after >= 512 << 20, (peak >> 20, after >> 20)
         assert metric(http, "attnserve_gpu_memory_used_bytes") < 64 << 20
