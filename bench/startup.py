@@ -10,8 +10,8 @@ as a restarted pod on its cache volume finds it). With the default --ablate, the
 also starts warm once more with --no-autotune-cache (every autotuned key timed again). Each row:
 seconds from the process's start to /readyz 200; from its log, when the first line came (the
 imports done), when gRPC listened (the servers built), when the last worker was warm, the worker's
-own warm-up seconds and the precompile line. Default warm-up (--warmup-shapes/--warmup-dtypes defaults) unless
-server flags say otherwise. The table is written after every run, so a stopped run keeps its rows.
+own warm-up seconds and the precompile line. Default warm-up (--warmup-shapes/--warmup-dtypes
+defaults) unless server flags say otherwise. The table is written after every run, so a stopped run keeps its rows.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ What it changes (``mallopt``, at start-up, once):
         freed blocks up to that size stay in the heap for reuse instead of being unmapped;
     M_ARENA_MAX = 1
         every thread allocates from the main arena.
-and, while it is on, ``malloc_trim(0)`` once the server has been idle for --memory-trim-idle-s.
+and, while it is on, ``malloc_trim(0)`` (``trim_heap``) once the server has been idle for
+--memory-trim-idle-s (``service.server.release_memory_when_idle``).
 
 Why: a request body is a fresh buffer. With glibc's defaults anything over 32 MiB is mmap'd when it
 arrives and unmapped when the request ends, so every big request page-faults its whole body in
@@ -23,12 +24,8 @@ defaults and nothing is trimmed. On a C library other than glibc nothing is chan
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import logging
 from typing import Any
-
-log = logging.getLogger("attnserve")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
 MAX_KEPT_BYTES = 1 << 30  # the largest freed block kept for reuse, whatever --max-body-mb says
@@ -62,37 +59,9 @@ def reuse_freed_memory(max_body_bytes: int) -> bool:
     )
 
 
-async def trim_heap_when_idle(engine: Any, idle_s: float, bodies: Any = None) -> None:
-    """Give freed heap back to the OS (``malloc_trim``) once ``engine`` has seen no request come or
-    go for ``idle_s`` (checked every ``idle_s``: trimmed within 2x of going idle).
-
-    An idle server should not keep the peak that ``reuse_freed_memory`` keeps under load. The free
-    pinned body buffers (``bodies.trim()``, when given) and the GPU workers' cached pinned staging
-    buffers (``engine.release_cached_host_memory``) go back too: they count in the RSS as well.
-    A body still being uploaded is not seen: a trim then costs it page faults, not correctness.
-    The GPUs get back the blocks torch's caching allocator keeps free as well
-    (``engine.release_cached_device_memory``), so that the device memory an ended session held
-    shows as free again.
-    """
+def trim_heap() -> None:
+    """``malloc_trim(0)``: hand glibc's freed heap back to the OS (what ``reuse_freed_memory`` keeps
+    under load); nothing where the C library is not glibc."""
     malloc_trim = getattr(_glibc(), "malloc_trim", None)
-    if malloc_trim is None:
-        return
-
-    def release() -> None:
-        if bodies is not None:  # its free pinned body buffers, before torch's host cache is emptied
-            bodies.trim()
-        engine.release_cached_host_memory()
+    if malloc_trim is not None:
         malloc_trim(0)
-
-    seen = trimmed = engine.activity
-    while True:
-        await asyncio.sleep(idle_s)
-        now = engine.activity
-        if now == seen and now != trimmed and engine.requests_held == 0:
-            try:
-                await engine.release_cached_device_memory()
-            except Exception as exc:  # noqa: BLE001 - the host memory still goes back
-                log.warning("giving cached device memory back failed: %r", exc)
-            await asyncio.to_thread(release)  # off the loop
-            trimmed = now
-        seen = now

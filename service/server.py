@@ -51,6 +51,36 @@ async def refresh_metrics(engine: Engine, every_s: float = 1.0) -> None:
         await asyncio.sleep(every_s)
 
 
+async def release_memory_when_idle(engine: Engine, idle_s: float, bodies: BodyBuffers | None,
+                                   trim_heap: bool) -> None:
+    """Once ``engine`` has seen no request come or go for ``idle_s`` (checked every ``idle_s``: within
+    2x of going idle), give back what the load left held: each GPU's free cached blocks (an ended
+    session's KV pages: ``engine.release_cached_device_memory``), the free pinned body buffers and
+    torch's cached pinned staging buffers (they count in the RSS), and with ``trim_heap`` (the
+    allocator tuned, ``service.allocator``) glibc's freed heap. A body still being uploaded is not
+    seen: a trim then costs it page faults, not correctness."""
+
+    def release_host() -> None:
+        if bodies is not None:  # its free pinned body buffers, before torch's host cache is emptied
+            bodies.trim()
+        engine.release_cached_host_memory()
+        if trim_heap:
+            allocator.trim_heap()
+
+    seen = trimmed = engine.activity
+    while True:
+        await asyncio.sleep(idle_s)
+        now = engine.activity
+        if now == seen and now != trimmed and engine.requests_held == 0:
+            try:
+                await engine.release_cached_device_memory()
+            except Exception as exc:  # noqa: BLE001 - the host memory still goes back
+                log.warning("giving cached device memory back failed: %r", exc)
+            await asyncio.to_thread(release_host)  # off the loop
+            trimmed = now
+        seen = now
+
+
 def inherited_listener(fd: int) -> socket.socket:
     """The listening socket ``--http-fd`` names (under ``--processes`` the supervisor's), or a
     ValueError that says what is wrong with it."""
@@ -130,8 +160,8 @@ async def serve(settings: Settings) -> int:
     stop_task = asyncio.create_task(stop.wait())
     refresh_task = asyncio.create_task(refresh_metrics(engine)) if metrics.MULTIPROCESS else None
     trim_task = None
-    if reusing and settings.memory_trim_idle_s > 0:
-        trim_task = asyncio.create_task(allocator.trim_heap_when_idle(engine, settings.memory_trim_idle_s, bodies))
+    if settings.memory_trim_idle_s > 0:
+        trim_task = asyncio.create_task(release_memory_when_idle(engine, settings.memory_trim_idle_s, bodies, reusing))
 
     exit_code = 0
     pending = {stop_task, http_task, start_task}

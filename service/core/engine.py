@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 import kernels
 from service.core.batcher import Batcher, Pending
 from service.core.devices import attention_memory, layer_memory, parse_dtypes, parse_shapes, resolve_devices
@@ -221,11 +223,10 @@ class Engine:
         log.info("engine drained")
 
 
-__all__ = ["Engine"]
-
-
 def _empty_device_cache(lock: Any) -> tuple[None, None]:
-    import torch
-
-    torch.cuda.empty_cache()  # the launcher thread's device
+    """``Worker.run_on_device``'s fn: free the launcher thread's device's cached blocks."""
+    torch.cuda.empty_cache()
     return None, None
+
+
+__all__ = ["Engine"]

@@ -549,9 +549,9 @@ def test_gpu_packed_steps_replay_graphs_with_the_bits_of_launches(tmp_path):
 def test_gpu_memory_goes_back_to_the_card_once_sessions_end(tmp_path):
     """Sessions' KV pages come out of the GPU and, once every session has ended and the server has
     been idle for --memory-trim-idle-s, the memory torch holds from the card
-    (attnserve_gpu_memory_reserved_bytes, what nvidia-smi counts beside the CUDA context) falls back
-    to where it was before the first session; the tensors' own (attnserve_gpu_memory_used_bytes)
-    to zero."""
+    (attnserve_gpu_memory_reserved_bytes, what nvidia-smi counts beside the CUDA context) falls to
+    its level with no session held, and the tensors' own (attnserve_gpu_memory_used_bytes) near
+    zero."""
     hkv, d, n = 8, 128, 16384  # 8 sessions x 16384 keys x 8 heads x 128 x 2 (k, v) x 2 bytes = 512 MiB
     with run_server(tmp_path, "--device", "cuda:0", "--grpc-port", "0", "--memory-trim-idle-s", "1",
                     "--kv-cache-mb", "1024", "--warmup-shapes", "1x8x128x128", "--warmup-dtypes", "bfloat16") as s, \
