@@ -22,11 +22,14 @@ from .errors import (
     ShapeError,
 )
 from .masks import MaskError
+from .mkl_vml import resolve_vml_dispatch
 from .paged import append_paged, attention_paged
 from .ragged_checks import BlockTableError, SeqLensError
 from .spec import MAX_HEAD_DIM, SUPPORTED_DTYPES, AttnSpec, check_inputs
 from .varlen import attention_varlen
 from .warmup import warmup, warmup_ragged
+
+resolve_vml_dispatch()  # before any caller's first big exp: see kernels/mkl_vml.py
 
 __all__ = [
     "KERNELS",

@@ -3,6 +3,7 @@ every validation error, and the CPU path's memory bound."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -186,3 +187,27 @@ def test_cpu_path_batched_is_each_alone_bit_for_bit(shape, causal, lengths):
         alone = cpu_attention(q[i:i + 1].clone(), k[i:i + 1].clone(), v[i:i + 1].clone(), causal=causal,
                               scale=d ** -0.5, kv_lengths=None if kvl is None else kvl[i:i + 1])
         assert torch.equal(o[i:i + 1], alone[0]) and torch.equal(lse[i:i + 1], alone[1]), i
+
+
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_importing_kernels_settles_mkl_vector_math_first(switch):
+    """A fresh process: importing ``kernels`` has called the VML ops once on one element (unless
+    ATTNSERVE_VML_WARMUP=0), and its first big multi-threaded exp is bit for bit its second."""
+    code = textwrap.dedent(
+        """
+        import torch, kernels
+        from kernels import mkl_vml
+        torch.set_num_threads(max(2, torch.get_num_threads()))
+        s = torch.randn(8, 512, 1024, generator=torch.Generator().manual_seed(0)) * 4
+        first, second = torch.exp(s), torch.exp(s)  # the reference's softmax weights come from torch.exp
+        print(mkl_vml.resolved, torch.backends.mkl.is_available(), torch.equal(first, second))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ATTNSERVE_VML_WARMUP"}
+    if switch is not None:
+        env["ATTNSERVE_VML_WARMUP"] = switch
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    resolved, mkl, same = out.stdout.split()
+    assert resolved == str(mkl == "True" and switch is None)
+    if switch is None:
+        assert same == "True"
