@@ -595,13 +595,25 @@ def test_with_tensors_builds_the_message_the_constructor_builds():
 
 
 def test_grpc_floor_bench_measures_every_server_kind():
-    """``python -m bench.grpc_floor``: each server kind answers its echo at both sizes (checked by
-    the bench: a third of the request back), and the table has a row each."""
+    """``python -m bench.grpc_floor``: each server kind answers its echo at every size (checked by
+    the bench: the bytes the request asked for back), and the table has a row each."""
     from bench import grpc_floor
 
     proc = subprocess.run([sys.executable, "-m", "bench.grpc_floor", "--iters", "20", "--kinds", "asyncio,sync"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()[2:]]
-    assert [(k.strip(), int(n)) for k, n, *_ in rows] == [(k, n) for k in ("asyncio", "sync") for n in grpc_floor.SIZES]
-    assert all(0 < float(p50) <= float(p99) for _, _, p50, p99 in rows)
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()[2:]]
+    assert [(k, c, int(n), int(a)) for k, c, n, a, *_ in rows] == [
+        (k, "python", n, a) for k in ("asyncio", "sync") for n, a in grpc_floor.SIZES]
+    assert all(0 < float(p50) <= float(p99) for *_, p50, p99 in rows)
+
+
+def test_grpc_floor_echo_answers_what_the_request_asks():
+    """The echo's framing: a request names how many of its bytes come back, in a valid Blob."""
+    from bench import grpc_floor
+
+    message = grpc_floor.request(300, 17)
+    assert len(grpc_floor.blob_data(message)) == 300
+    answer = grpc_floor._answer(message)
+    assert bytes(grpc_floor.blob_data(answer)) == bytes(grpc_floor.blob_data(message)[:17])
+    assert grpc_floor.blob_data(grpc_floor.blob(b"")) == b""
