@@ -43,14 +43,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def blob(data: bytes) -> bytes:
-    """``data`` as a serialized ``grpcfloor.Blob`` (field 1, bytes): tag, varint length, the bytes."""
+def blob(data: bytes | memoryview) -> bytes:
+    """``data`` as a serialized ``grpcfloor.Blob`` (field 1, bytes): tag, varint length, the bytes
+    (copied once, as a native server copies them into its answer)."""
     n, head = len(data), bytearray(b"\x0a")
     while True:
         head.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
         n >>= 7
         if not n:
-            return bytes(head) + data
+            return b"".join((head, data))
 
 
 def blob_data(message: bytes) -> memoryview:
@@ -75,7 +76,7 @@ def request(size: int, answer: int) -> bytes:
 def _answer(message: bytes) -> bytes:
     data = blob_data(message)
     (n,) = struct.unpack_from("<I", data)
-    return blob(bytes(data[:n]))
+    return blob(data[:n])
 
 
 def serve(kind: str, port: int) -> None:
