@@ -33,7 +33,7 @@ from service.http.openapi import MASK_QUERY
 from service.http.routes import DirectRoute
 from service.sessions import SessionStep
 from service.settings import Settings
-from service.wire.options import parse_bool, parse_options
+from service.wire.options import int_text, parse_bool, parse_options
 from service.wire.tensors import ServerTiming
 
 STEP_TENSORS = ("q", "k", "v", "alibi_slopes")
@@ -46,8 +46,8 @@ SESSION_PARAMETER = {"name": "session", "in": "path", "required": True, "schema"
 def _parse_layer(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        return int(value)
+    if isinstance(value, str) and (n := int_text(value)) is not None:
+        return n
     raise BadRequest(f"option 'layer' must be an integer >= 0, got {value!r}")
 
 

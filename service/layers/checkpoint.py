@@ -39,7 +39,7 @@ def parse_layer_spec(spec: str) -> tuple[str, Path, int]:
             f"layer spec {spec!r}: the name {name!r} may hold only letters, digits, '_', '.' and '-' "
             "(it goes into URLs and model names)"
         )
-    if not index.isdigit():
+    if not (index.isascii() and index.isdigit()):
         raise LayerConfigError(f"layer spec {spec!r}: INDEX must be a non-negative integer, got {index!r}")
     return name, Path(folder), int(index)
 

@@ -49,7 +49,7 @@ from service.errors import (
 from service.sessions import routing
 from service.sessions.cache import Geometry, KVCache, SequenceKV
 from service.sessions.scheduler import Seq, StepScheduler, Work
-from service.sessions.step import MAX_HEAD_DIM, STEP_DTYPES, SessionResult, SessionStep, check_session_id
+from service.sessions.step import MAX_HEAD_DIM, STEP_DTYPES, SessionResult, SessionStep, check_session_id, shown_id
 from service.wire.tensors import DTYPE_NAMES, DTYPES
 
 log = logging.getLogger("attnserve.sessions")
@@ -101,7 +101,8 @@ class SessionTable:
     def get(self, session: str) -> Session:
         s = self.sessions.get(session)
         if s is None:
-            raise NotFound(f"no session {session!r}: it was never created, has ended, or expired after "
+            check_session_id(session)  # an id no session can have is the caller's mistake (400)
+            raise NotFound(f"no session {shown_id(session)}: it was never created, has ended, or expired after "
                            f"{self.idle_s:g} s without a step (--session-idle-s)")
         return s
 

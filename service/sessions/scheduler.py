@@ -286,8 +286,11 @@ class StepScheduler:
         return work.future
 
     def done(self, work: Work) -> None:
-        """The step of ``work`` is answered (and undone if it failed): its pairs are free again."""
-        self.busy -= work.pairs
+        """The step of ``work`` is answered (and undone if it failed): its pairs are free again. A
+        work that never launched (expired or withdrawn in the queue) held none: its pairs may be
+        held by an earlier work still running, whose undo a later step must not overtake."""
+        if work.launched:
+            self.busy -= work.pairs
         if work.timer is not None:
             work.timer.cancel()
         if not work.launched:

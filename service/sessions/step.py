@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,12 +36,19 @@ STEP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+def shown_id(session: Any) -> str:
+    """A session id as an error message quotes it: whole up to 64 characters, else its start and
+    its length (a gRPC status message must fit the client's 16 KiB metadata limit)."""
+    text = repr(session)
+    return text if len(text) <= 66 else f"{text[:64]}... ({len(session) if isinstance(session, str) else '?'} characters)"
+
+
 def check_session_id(session: str) -> str:
     """A client-chosen id: 1-128 characters of A-Za-z0-9._:- , not 'attend', not only dots (400)."""
     if not isinstance(session, str) or not _SESSION_ID.fullmatch(session) or session == "attend" \
             or set(session) == {"."}:
         raise BadRequest(
-            f"session id {session!r} is not valid: use 1-128 characters of A-Z a-z 0-9 . _ : - "
+            f"session id {shown_id(session)} is not valid: use 1-128 characters of A-Z a-z 0-9 . _ : - "
             "(not 'attend', not only dots), or leave it out and the server makes one"
         )
     return session

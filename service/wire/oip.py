@@ -36,7 +36,7 @@ from service import __version__
 from service.core.types import AttentionRequest, LayerRequest, new_request_id
 from service.errors import BadRequest, NotFound
 from service.sessions import SessionStep
-from service.wire.options import parse_bool, parse_options
+from service.wire.options import int_text, parse_bool, parse_options
 from service.wire.tensors import (
     OIP_DTYPES,
     OIP_NAMES,
@@ -287,8 +287,8 @@ def sequence_id(value: Any) -> str | None:
 
 def _int_parameter(parameters: Mapping[str, Any], name: str, default: int) -> int:
     value = parameters.get(name, default)
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        value = int(value)
+    if isinstance(value, str) and (n := int_text(value)) is not None:
+        value = n
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequest(f"parameter {name!r} must be an integer, got {value!r}")
     return value

@@ -23,6 +23,14 @@ _FALSE = ("false", "0", "no", "off")
 FLOAT32_MAX = 3.4028234663852886e38  # the kernels compute in float32: a larger scale or cap is inf there
 
 
+def int_text(value: str) -> int | None:
+    """A decimal integer written in ASCII digits (a leading '+' and surrounding spaces allowed), or
+    None: ``str.isdigit`` also takes superscripts and other scripts' digits, which ``int`` refuses
+    or reads as another number."""
+    text = value.strip().removeprefix("+")
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def parse_bool(name: str, value: Any, what: str = "option") -> bool:
     """A JSON/protobuf bool, the integers 0 and 1, or a string such as "true", "False", "0"."""
     if isinstance(value, bool):

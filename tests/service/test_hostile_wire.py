@@ -854,3 +854,55 @@ def test_json_numbers_past_a_float_dtypes_range_are_refused(http, native):
     r = http.post("/attention", json={"q": {"shape": [1, 2, 3, 4], "dtype": "float16", "data": half}, **half_kv})
     assert r.status_code == 200, r.text
     assert_serving(http, native)
+
+
+@pytest.mark.parametrize("digits", ["²", "¹", "１", "٣"])
+def test_layer_numbers_in_other_scripts_digits_are_refused(http, oip, native, session, digits):
+    """``str.isdigit`` takes superscripts (which ``int`` refuses: once a 500) and other scripts'
+    digits (which ``int`` reads as another number): a layer is written in ASCII digits, on every
+    route that takes one; nothing is appended and no session is left behind."""
+    before = _lengths(http, session)
+    t = qkv(3)
+    body = good_safetensors(t)
+    r = http.post(f"/sessions/{session}/attend", params={"layer": digits}, content=body, headers={"content-type": ST})
+    assert "layer" in message(assert_refused(r, {400})), r.text
+    r = http.post("/sessions/attend", json={"sessions": [session], "layer": digits, "q_lengths": [3],
+                                            **{n: x[0].transpose(0, 1).tolist() for n, x in t.items()}})
+    assert "layer" in message(assert_refused(r, {400})), r.text
+    inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()} for n, x in t.items()]
+    for parameters in ({"sequence_id": session, "layer": digits},
+                       {"sequence_id": "digits", "sequence_start": True, "layers": digits}):
+        r = http.post("/v2/models/attention/infer", json={"parameters": parameters, "inputs": inputs})
+        assert assert_refused(r, {400}), r.text
+    request = tpb.ModelInferRequest(model_name="attention")
+    request.parameters["sequence_id"].string_param = session
+    request.parameters["layer"].string_param = digits
+    for n, x in t.items():
+        tensor = request.inputs.add(name=n, datatype="FP32", shape=list(x.shape))
+        tensor.contents.fp32_contents.extend(x.flatten().tolist())
+    assert grpc_status(oip.ModelInfer, request) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _lengths(http, session) == before
+    assert http.get("/sessions/digits").status_code == 404
+    assert_serving(http, native)
+
+
+def test_ids_no_session_can_have_are_refused_with_a_short_message(http, native):
+    """An id outside the session id syntax is a 400 / INVALID_ARGUMENT on every route that names a
+    session (not a 404), and the message quotes at most the id's start: a 20,000-character id once
+    made a gRPC status message past the client's 16 KiB metadata limit (RESOURCE_EXHAUSTED)."""
+    huge = "x" * 20_000
+    for call, msg in ((native.GetSession, apb.GetSessionRequest(session=huge)),
+                      (native.DeleteSession, apb.DeleteSessionRequest(session=huge)),
+                      (native.CreateSession, apb.CreateSessionRequest(session=huge, layers=1, num_kv_heads=2,
+                                                                      head_dim=4, dtype=apb.FLOAT32))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(msg, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "20000 characters" in err.value.details() and len(err.value.details()) < 1000
+    for sid in ("%C3%BC", "a%20b", "x" * 129):
+        assert_refused(http.get(f"/sessions/{sid}"), {400})
+        assert_refused(http.delete(f"/sessions/{sid}"), {400})
+        assert_refused(http.post(f"/sessions/{sid}/attend", content=good_safetensors(qkv()),
+                                 headers={"content-type": ST}), {400})
+    assert_refused(http.get("/sessions/no-such-session"), {404})
+    assert_serving(http, native)

@@ -271,6 +271,54 @@ def test_a_failed_step_appends_nothing(http):
     assert lengths(http, sid) == [3]
 
 
+def test_a_step_expiring_in_the_queue_lets_no_later_step_overtake_a_failing_one(http):
+    """W1 runs long and fails (its deadline passes while it runs: undone); W2 on the same (session,
+    layer) expires while queued behind it; W3 comes after. W3 must wait for W1's undo: its answer is
+    attention over its own key alone, and the session keeps exactly the keys of the steps answered
+    200. (An expired work once freed the pair W1 held, so W3 ran over W1's keys, which the undo
+    then took, W3's with them.)"""
+    n = 32768
+
+    def post(c, sid, tensors, timeout_ms=None):
+        headers = dict(ST) if timeout_ms is None else {**ST, "X-Request-Timeout-Ms": str(timeout_ms)}
+        return c.post(f"/sessions/{sid}/attend", headers=headers, content=st.save(tensors))
+
+    big = {"q": rand(1, HQ, n, D, seed=1), "k": rand(1, HKV, n, D, seed=2), "v": rand(1, HKV, n, D, seed=3)}
+    scratch = create(http)["session"]
+    t0 = time.monotonic()
+    assert post(http, scratch, big).status_code == 200
+    run_s = time.monotonic() - t0  # how long W1 takes on this machine
+    assert http.delete(f"/sessions/{scratch}").status_code == 204
+    sid = create(http)["session"]
+    one = [{name: rand(1, h, 1, D, seed=10 * i + j) for j, (name, h) in enumerate((("q", HQ), ("k", HKV), ("v", HKV)))}
+           for i in range(2)]
+    out: dict[str, httpx.Response] = {}
+
+    def send(name, tensors, timeout_ms, delay):
+        time.sleep(delay)
+        with httpx.Client(base_url=http.base_url, timeout=60.0) as c:
+            out[name] = post(c, sid, tensors, timeout_ms)
+
+    threads = [threading.Thread(target=send, args=args) for args in (
+        ("w1", big, int(run_s * 1000 / 3), 0.0), ("w2", one[0], 20, run_s / 6), ("w3", one[1], None, run_s / 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = {name: r.status_code for name, r in out.items()}
+    assert statuses["w3"] == 200, out["w3"].text
+    keys = [(big["k"], big["v"])] if statuses["w1"] == 200 else []
+    keys += [(one[0]["k"], one[0]["v"])] if statuses["w2"] == 200 else []
+    keys.append((one[1]["k"], one[1]["v"]))
+    assert lengths(http, sid) == [sum(k.shape[2] for k, _ in keys)], statuses
+    k = torch.cat([k for k, _ in keys], dim=2)
+    v = torch.cat([v for _, v in keys], dim=2)
+    ref = attention64(one[1]["q"], k, v, causal=True)[0]
+    got = st.load(out["w3"].content)["o"]
+    assert (got.double() - ref).abs().max() < 1e-4, statuses
+    assert http.delete(f"/sessions/{sid}").status_code == 204
+
+
 def test_create_get_delete_and_errors(http):
     info = create(http, "seq:7", layers=3, hkv=1, d=40, dtype="bfloat16")
     assert info == {"session": "seq:7", "layers": 3, "num_kv_heads": 1, "head_dim": 40, "dtype": "bfloat16",
