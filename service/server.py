@@ -71,7 +71,7 @@ async def release_memory_when_idle(engine: Engine, idle_s: float, bodies: BodyBu
     while True:
         await asyncio.sleep(idle_s)
         now = engine.activity
-        if now == seen and now != trimmed and engine.requests_held == 0:
+        if now == seen and now != trimmed and engine.idle:
             try:
                 await engine.release_cached_device_memory()
             except Exception as exc:  # noqa: BLE001 - the host memory still goes back

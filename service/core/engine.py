@@ -11,7 +11,8 @@ Interface (stable; transports rely on it):
     engine.devices -> list[str]     # e.g. ["cuda:0", "cuda:1"] or ["cpu"]
     engine.on_gpu -> bool           # any worker on a CUDA device
     engine.requests_held -> int     # queued or running now
-    engine.activity -> int          # moves whenever a request is submitted or finishes
+    engine.activity -> int          # moves whenever a request or step comes or goes, a session begins or ends
+    engine.idle -> bool             # no request or session step queued or running
     engine.sessions                 # service.sessions.SessionManager: sessions and their steps (API.md §10)
 Raises only ``service.errors.ServiceError`` subclasses.
 
@@ -114,8 +115,15 @@ class Engine:
 
     @property
     def activity(self) -> int:
-        """A count that moves whenever a request is submitted or finishes (for idleness checks)."""
-        return self.batcher.activity if self.batcher is not None else 0
+        """A count that moves whenever a request or a session step is submitted or finishes, or a
+        session begins or ends (for idleness checks)."""
+        return ((self.batcher.activity if self.batcher is not None else 0)
+                + (self.sessions.activity if self.sessions is not None else 0))
+
+    @property
+    def idle(self) -> bool:
+        """No request and no session step queued or running now."""
+        return self.requests_held == 0 and (self.sessions is None or self.sessions.held == 0)
 
     @property
     def ready(self) -> bool:

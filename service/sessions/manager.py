@@ -138,6 +138,7 @@ class SessionManager:
         self.schedulers: list[StepScheduler] = []
         self._accepting, self._held_elsewhere = accepting, held_elsewhere
         self.held = 0  # steps accepted and not answered
+        self.activity = 0  # sessions made and ended, steps accepted and answered, ever: moves while busy
         self._success = metrics.success.labels("session")  # looked up once: ``labels()`` costs more than inc()
         self._expiry: asyncio.Task | None = None
         self._geometries: dict[Geometry, Geometry] = {}
@@ -256,6 +257,7 @@ class SessionManager:
         """End a session now (404 from here on) and return its pages, after the launches already
         enqueued on its worker."""
         s = self.table.pop(session)
+        self.activity += 1
         await self.schedulers[s.worker].run(lambda cache: cache.release(s.geometry, s.kv))
 
     # ---- steps --------------------------------------------------------------------------------
@@ -275,6 +277,7 @@ class SessionManager:
         if step.deadline is None:
             step.deadline = step.arrived + self.settings.request_timeout_ms / 1000.0
         self.held += 1
+        self.activity += 1
         for w in works:
             for seq in w.seqs:
                 seq.session.active += 1
@@ -351,6 +354,7 @@ class SessionManager:
                     seq.session.active -= 1
                     seq.session.last_used = now
             self.held -= 1
+            self.activity += 1
         self._success.inc()
         if step.end:
             for sid in step.sessions:

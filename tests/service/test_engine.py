@@ -99,6 +99,40 @@ def test_masked_call_of_a_kernel_without_modifiers_is_a_422_saying_why():
     asyncio.run(main())
 
 
+def test_sessions_alone_move_the_activity_the_idle_release_watches():
+    """Session steps and ends move ``engine.activity``, and ``engine.idle`` is False while a step
+    is held: ``server.release_memory_when_idle`` gives back what a server that served only sessions
+    left held (it once watched stateless requests alone, and never ran after sessions)."""
+    from service.server import release_memory_when_idle
+    from service.sessions import SessionStep
+
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        released: list[int] = []
+        engine.release_cached_host_memory = lambda: released.append(engine.activity)
+        watcher = asyncio.create_task(release_memory_when_idle(engine, 0.05, None, False))
+        await asyncio.sleep(0.2)
+        assert released == []  # nothing came or went since the start
+        before = engine.activity
+        sid = engine.sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"]
+        running = asyncio.ensure_future(engine.sessions.step(SessionStep.single(sid, *qkv())))
+        await asyncio.sleep(0)
+        assert not engine.idle
+        await running
+        await engine.sessions.delete(sid)
+        assert engine.activity > before and engine.idle
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if released:
+                break
+        assert released == [engine.activity]
+        watcher.cancel()
+        await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_ready_only_after_start_and_not_while_draining():
     async def main():
         engine = Engine(cpu_settings())
