@@ -18,7 +18,7 @@ from service.http.errors import install_error_handlers
 from service.http.oip import create_router
 from service.http.openapi import install_openapi
 from service.http.ops import add_ops_routes
-from service.http.routes import add_native_routes
+from service.http.routes import DirectRoute, add_native_routes
 from service.settings import Settings
 
 
@@ -26,14 +26,19 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     """The FastAPI app over ``engine`` (see ``service.core.engine`` for its interface)."""
     app = FastAPI(title="attnserve", version=__version__, summary="Exact attention as a service (API.md)")
     metrics = HttpMetrics()
-    app.add_middleware(EdgeMiddleware, settings=settings, metrics=metrics)
+    direct: list[DirectRoute] = []  # the hot routes, called from the edge (filled below)
+    app.add_middleware(EdgeMiddleware, settings=settings, metrics=metrics, direct=direct)
     install_error_handlers(app)
     add_native_routes(app, engine, settings)
     add_ops_routes(app, engine, metrics)
     app.include_router(create_router(engine, settings))
+    routes = list(app.router.routes)
     if hasattr(engine, "sessions"):  # API.md §10 (an engine stand-in without sessions serves none)
         from service.http.sessions import create_router as create_sessions_router
 
-        app.include_router(create_sessions_router(engine, settings))
+        sessions = create_sessions_router(engine, settings)
+        app.include_router(sessions)
+        routes += sessions.routes
+    direct += [r for r in routes if isinstance(r, DirectRoute)]
     install_openapi(app)
     return app

@@ -1,19 +1,28 @@
 """What wraps every HTTP request before a route sees it: the API key (except health probes), the
 ``X-Request-Id`` echo (generated when absent), per-route Prometheus metrics, and a last-resort 500.
+
+The hot routes (``routes.DirectRoute``: the attention call and the session steps) are called from
+here, past the framework's own middleware and router: for a small call those layers cost more host
+time than what they do for these routes (nothing: their errors are ``ServiceError``s, answered here
+as the app's handlers answer them; docs/benchmarks/service.md#latency).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.requests import Request
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.auth import check_api_key
 from service.errors import ServiceError
 from service.http.errors import internal_error_response, service_error_response
+from service.core.types import new_request_id
 from service.settings import Settings
 
 log = logging.getLogger("attnserve.http")
@@ -56,8 +65,20 @@ class EdgeMiddleware:
     """Pure ASGI middleware around every HTTP request: API key (except health probes), the
     ``X-Request-Id`` echo (generated when absent), per-route metrics, and a last-resort 500."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, metrics: HttpMetrics):
+    def __init__(self, app: ASGIApp, settings: Settings, metrics: HttpMetrics, direct: Sequence[Any] = ()):
+        """``direct``: the routes to call from here (``routes.DirectRoute``s; the app fills the list
+        once it has all its routes)."""
         self.app, self.settings, self.metrics = app, settings, metrics
+        self.direct = direct
+
+    def _direct_route(self, scope: Scope) -> Any:
+        """The DirectRoute that serves this request, its path parameters put in ``scope``; or None."""
+        for route in self.direct:
+            match, child = route.matches(scope)
+            if match is Match.FULL:
+                scope.update(child)
+                return route
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,7 +90,7 @@ class EdgeMiddleware:
             for k, v in scope["headers"]
             if k in (b"x-request-id", b"authorization", b"x-api-key")
         }
-        rid = headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+        rid = headers.get("x-request-id", "")[:128] or new_request_id()
         scope.setdefault("state", {})["request_id"] = rid
         status = 500
         started = False
@@ -88,7 +109,15 @@ class EdgeMiddleware:
         try:
             if path not in PUBLIC_PATHS:
                 check_api_key(self.settings, headers.get("authorization"), headers.get("x-api-key"))
-            await self.app(scope, receive, send_with_id)
+            route = self._direct_route(scope)
+            if route is None:
+                await self.app(scope, receive, send_with_id)
+            else:
+                try:
+                    response = await route.endpoint(Request(scope, receive))
+                except ServiceError as exc:  # as the app's handler (``errors``) answers it
+                    response = service_error_response(path, exc)
+                await response(scope, receive, send_with_id)
         except ServiceError as exc:  # the API key check (route errors are answered by the handlers)
             if not started:
                 await service_error_response(path, exc)(scope, receive, send_with_id)

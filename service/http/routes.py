@@ -24,9 +24,10 @@ from service.wire.tensors import DTYPE_NAMES, ServerTiming
 
 class DirectRoute(APIRoute):
     """A route whose endpoint takes the ``Request`` alone and returns a ``Response``: called as it
-    is, without FastAPI's per-call dependency solving and response handling (what that costs a
-    small call: docs/benchmarks/service.md#latency). It is documented, routed and answered
-    on errors like any other route."""
+    is, without FastAPI's per-call dependency solving and response handling, straight from
+    ``edge.EdgeMiddleware`` (before the other routes: a DirectRoute's path must match no earlier
+    route's). It is documented and answered on errors like any other route (what that saves a
+    small call: docs/benchmarks/service.md#latency)."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         return self.endpoint
