@@ -229,9 +229,10 @@ def cpu_attention(
     docs/kernels.md#the-cpu-path-referencecpu_attention), made to keep the contract —
     bottom-right causal, kv_lengths (each batch element's keys cut to its length), rows with no
     key -> (0, -inf), batch invariance (one call per batch element, from 64-byte-aligned copies).
-    Falls back to ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd, and
-    the score modifiers: torch's kernel takes no window, cap or bias short of an Nq x Nk mask)."""
-    if masks.active:
+    Falls back to ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd,
+    a causal scale <= 0: its mask's -inf times the scale is NaN or +inf, and the score modifiers:
+    torch's kernel takes no window, cap or bias short of an Nq x Nk mask)."""
+    if masks.active or (causal and not scale > 0):  # torch's kernel masks before it scales: -inf * 0 is NaN
         return _blockwise_each(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, masks=masks)
     if q.shape[0] > 1:  # torch's kernel rounds an element by where it lies in the batch: one call each
         outs = [cpu_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal, scale=scale,

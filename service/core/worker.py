@@ -145,9 +145,9 @@ class Worker:
     def _warmup_kernels(self) -> None:
         with torch.no_grad():
             for layer in self.layers.values():  # the layer's head dim and dtype
-                x = torch.zeros(1, 16, layer.info.hidden_size, device=self.device)
-                for causal in (False, True):
-                    layer.forward(x, causal=causal)
+                for causal in (False, True):  # a non-causal call is at most a sliding window long
+                    n = 16 if causal or layer.sliding_window is None else min(16, layer.sliding_window)
+                    layer.forward(torch.zeros(1, n, layer.info.hidden_size, device=self.device), causal=causal)
             shapes = parse_shapes(self.settings.warmup_shapes)
             dtypes = parse_dtypes(self.settings.warmup_dtypes) if self._cuda else [torch.float32]
             if not self._cuda:  # nothing to compile or tune on the CPU: check each head dim's path runs

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from service.errors import BadRequest, PayloadTooLarge
+from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from service.settings import Settings
 
 T = TypeVar("T")
@@ -30,7 +30,8 @@ def media_type(request: Request) -> str:
 
 
 async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -> bytearray | memoryview:
-    """The request body, read chunk by chunk; 413 as soon as it passes ``limit`` bytes.
+    """The request body, read chunk by chunk; 413 as soon as it passes ``limit`` bytes, 415 when it
+    comes compressed (a Content-Encoding other than identity).
 
     The buffer grows with the bytes that actually arrive (not with what Content-Length claims), so
     a client that declares a large body and sends none of it holds no memory; growing a large
@@ -40,6 +41,9 @@ async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -
     Content-Length, but ordinary memory is only touched as bytes arrive, and pinned buffers are
     bounded by ``--pinned-body-mb``.
     """
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("identity", ""):  # the body would be parsed as the compressed bytes it is
+        raise UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported; send the body uncompressed")
     too_large = PayloadTooLarge(
         f"the request body is over the limit of {limit / 2**20:g} MiB ({flag})"
         + ("; send large tensors as application/x-safetensors" if flag == "--max-json-mb" else "")

@@ -36,6 +36,8 @@ def error_response(
     headers = dict(headers or {})  # e.g. Allow on a 405
     if status == 429:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s or 1)))
+    if status == 413:  # the rest of the body is not read: what follows on the connection is not a request
+        headers["Connection"] = "close"
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)

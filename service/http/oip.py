@@ -18,7 +18,7 @@ import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.errors import BadRequest, PayloadTooLarge, Unavailable, UnsupportedMediaType
+from service.errors import BadRequest, PayloadTooLarge, Unavailable
 from service.http import body
 from service.http.disconnect import unless_gone
 from service.http.json_tensors import flat_tensor, parse_json
@@ -79,9 +79,14 @@ def _inputs(doc: dict, binary: memoryview, model: oip.Model) -> dict[str, torch.
         name = oip.check_input_name(model, item.get("name"), tensors)
         params = _object(item.get("parameters"), f"input {name!r}: parameters")
         if "binary_data_size" in params:
+            if "data" in item:
+                raise BadRequest(f"input {name!r} has both data and binary_data_size; send one of them")
             size = params["binary_data_size"]
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
-                raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the binary data")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise BadRequest(f"input {name!r}: binary_data_size must be a non-negative integer, got {size!r}")
+            if offset + size > len(binary):
+                raise BadRequest(f"input {name!r}: binary_data_size {size} runs past the binary data "
+                                 f"({len(binary) - offset} bytes left)")
             tensors[name] = oip.raw_tensor(name, item.get("datatype"), item.get("shape"),
                                            binary[offset : offset + size])  # fmt: skip
             offset += size
@@ -97,12 +102,15 @@ def _inputs(doc: dict, binary: memoryview, model: oip.Model) -> dict[str, torch.
 
 
 def _requested(doc: dict, all_binary: bool) -> dict[str, bool] | None:
-    """The "outputs" asked for: name -> send as binary? (None: the model's default outputs)."""
+    """The "outputs" asked for: name -> send as binary? (None: the model's default outputs, as for
+    an empty list)."""
     outputs = doc.get("outputs")
     if outputs is None:
         return None
     if not isinstance(outputs, list):
         raise BadRequest("outputs must be a list of {name, parameters}")
+    if not outputs:
+        return None
     wanted: dict[str, bool] = {}
     for out in outputs:
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
@@ -209,8 +217,6 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         arrived = time.monotonic()
         deadline = body.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived)
         spec = find(request)
-        if request.headers.get("content-encoding", "identity").lower() != "identity":
-            raise UnsupportedMediaType("compressed requests are not supported; send them uncompressed")
         data = await body.read_body(request, settings.max_body_bytes)
         json_bytes = len(data)  # the JSON part: all of it, unless binary tensor data follows it
         with contextlib.suppress(TypeError, ValueError):  # a bad header: _split_body answers it

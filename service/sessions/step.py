@@ -103,7 +103,11 @@ class SessionStep:
             if t.dim() != 4 or t.shape[0] != 1:
                 raise InvalidInput(f"{name} of a step must have 4 dims {dims} (B = 1), got {list(t.shape)}")
             packed.append(t[0] if layout == "bnhd" else t[0].transpose(0, 1))  # -> (n, H, D), a view
-        n = packed[0].shape[0]
+        n, d = packed[0].shape[0], packed[0].shape[2]
+        k_, v_ = packed[1], packed[2]
+        if k_ is not None and v_ is not None and (k_.shape != v_.shape or k_.shape[0] != n or k_.shape[2] != d):
+            raise InvalidInput(f"k and v of a step must be {dims} with q's N = {n} and D = {d}, got "
+                               f"{list(k.shape)} and {list(v.shape)} (one new key and value a query row)")
         return cls((session,), packed[0], packed[1], packed[2], (n,), layout=layout, **options)
 
     @classmethod

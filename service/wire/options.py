@@ -23,12 +23,19 @@ _FALSE = ("false", "0", "no", "off")
 FLOAT32_MAX = 3.4028234663852886e38  # the kernels compute in float32: a larger scale or cap is inf there
 
 
-def int_text(value: str) -> int | None:
-    """A decimal integer written in ASCII digits (a leading '+' and surrounding spaces allowed), or
-    None: ``str.isdigit`` also takes superscripts and other scripts' digits, which ``int`` refuses
-    or reads as another number."""
-    text = value.strip().removeprefix("+")
-    return int(text) if text.isascii() and text.isdigit() else None
+def int_text(value: str, signed: bool = False) -> int | None:
+    """A decimal integer written in ASCII digits (a leading '+', with ``signed`` a '-', and spaces
+    around it allowed), or None: ``str.isdigit`` and ``int`` also take superscripts, other
+    scripts' digits and underscores, which a client does not mean as this number."""
+    text = value.strip()
+    sign = -1 if signed and text.startswith("-") else 1
+    text = text.removeprefix("-") if sign < 0 else text.removeprefix("+")
+    return sign * int(text) if text.isascii() and text.isdigit() else None
+
+
+def _number_text(value: str) -> bool:
+    """Whether a string may go to ``float``: ASCII, without the underscores Python's literals allow."""
+    return value.isascii() and "_" not in value
 
 
 def parse_bool(name: str, value: Any, what: str = "option") -> bool:
@@ -53,6 +60,8 @@ def parse_scale(name: str, value: Any, what: str = "option", huge: float | None 
     if isinstance(value, bool):
         raise BadRequest(f"{what} {name!r} must be a number, got {value!r}")
     try:
+        if isinstance(value, str) and not _number_text(value):
+            raise ValueError(value)
         scale = float(value)
     except (TypeError, ValueError):
         raise BadRequest(f"{what} {name!r} must be a number, got {value!r}") from None
@@ -75,10 +84,7 @@ def parse_window(name: str, value: Any, what: str = "option") -> tuple[int, int]
     sides: Any = value
     if isinstance(value, str):
         text = value.strip().removeprefix("[").removeprefix("(").removesuffix("]").removesuffix(")")
-        try:
-            sides = [int(x) for x in text.split(",")]
-        except ValueError:
-            sides = None
+        sides = [int_text(x, signed=True) for x in text.split(",")]
     elif isinstance(value, tuple):
         sides = list(value)
     if (not isinstance(sides, list) or len(sides) != 2

@@ -189,6 +189,23 @@ def test_cpu_path_batched_is_each_alone_bit_for_bit(shape, causal, lengths):
         assert torch.equal(o[i:i + 1], alone[0]) and torch.equal(lse[i:i + 1], alone[1]), i
 
 
+@pytest.mark.parametrize("scale", [-0.7, 0.0, -0.0, -1e-3])
+@pytest.mark.parametrize("nq,nk,lengths", [(5, 5, False), (3, 9, False), (4, 9, True)], ids=["square", "chunk", "kv_lengths"])
+def test_cpu_path_causal_with_a_scale_at_or_below_zero(monkeypatch, scale, nq, nk, lengths):
+    """A causal call with scale <= 0 is valid (API.md: any finite scale); torch's CPU kernel masks
+    before it scales, so its masked scores came out NaN or +inf and every row but the last was NaN
+    (a 200 with a wrong answer). The CPU path equals the float64 reference."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # kernel="auto" -> the CPU path
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g) for n in (nq, nk, nk))
+    kvl = torch.tensor([nk, nk - 2], dtype=torch.int32) if lengths else None
+    o, lse = kernels.attention(q, k, v, causal=True, scale=scale, kv_lengths=kvl, return_lse=True)
+    o64, lse64 = attention64(q.double(), k.double(), v.double(), causal=True, scale=scale, kv_lengths=kvl)
+    assert torch.isfinite(o).all()
+    assert (o.double() - o64).abs().max() < 1e-5
+    assert (lse.double() - lse64).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("switch", [None, "0"])
 def test_importing_kernels_settles_mkl_vector_math_first(switch):
     """A fresh process: importing ``kernels`` has called the VML ops once on one element (unless

@@ -562,6 +562,8 @@ def test_drain_finishes_everything_held(gate):
 class FakeLayer:
     """Stands in for service.layers.Layer: y = attention over x split into heads, then a matmul."""
 
+    sliding_window = None
+
     def __init__(self, name="toy", hidden=16, heads=2):
         from service.layers import LayerInfo
 

@@ -906,3 +906,45 @@ def test_ids_no_session_can_have_are_refused_with_a_short_message(http, native):
                                  headers={"content-type": ST}), {400})
     assert_refused(http.get("/sessions/no-such-session"), {404})
     assert_serving(http, native)
+
+
+def test_what_a_second_outside_battery_found_is_answered_clearly(http, native, session):
+    """OIP ``"outputs": []`` is the default outputs (it was a 500); a binary_data_size that is not an
+    integer says so; a compressed body is a 415 on every route (the native ones parsed the gzip
+    bytes as the body); option numbers in other scripts' digits or with underscores are refused
+    (``scale=1_0`` was 10.0, ``window_size=٣,0`` was (3, 0)); a single step's k/v of the wrong length
+    is described in the single step's own shape."""
+    t = qkv(5)
+    inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()} for n, x in t.items()]
+    r = http.post("/v2/models/attention/infer", json={"inputs": inputs, "outputs": []})
+    assert r.status_code == 200, r.text
+    assert [o["name"] for o in r.json()["outputs"]] == ["o"]
+    torch.testing.assert_close(torch.tensor(r.json()["outputs"][0]["data"]).view(1, 2, 3, 4), expected(t))
+    raw = t["q"].numpy().tobytes()
+    for size in ("48", 48.0):
+        doc = orjson.dumps({"inputs": [{"name": "q", "shape": [1, 2, 3, 4], "datatype": "FP32",
+                                         "parameters": {"binary_data_size": size}}]})
+        r = http.post("/v2/models/attention/infer", content=doc + raw,
+                      headers={"Inference-Header-Content-Length": str(len(doc))})
+        assert "non-negative integer" in message(assert_refused(r, {400})), r.text
+    doc = orjson.dumps({"inputs": [{"name": "q", "shape": [1, 2, 3, 4], "datatype": "FP32", "data": [0.0] * 24,
+                                     "parameters": {"binary_data_size": 48}}]})
+    r = http.post("/v2/models/attention/infer", content=doc + raw, headers={"Inference-Header-Content-Length": str(len(doc))})
+    assert "both data and binary_data_size" in message(assert_refused(r, {400})), r.text
+    import gzip
+
+    for path, ctype, content in (("/attention", ST, good_safetensors(t)),
+                                 ("/attention", "application/json", orjson.dumps({n: x.tolist() for n, x in t.items()})),
+                                 ("/v2/models/attention/infer", "application/json", orjson.dumps({"inputs": inputs}))):
+        r = http.post(path, content=gzip.compress(content), headers={"content-type": ctype, "content-encoding": "gzip"})
+        assert "Content-Encoding" in message(assert_refused(r, {415})), r.text
+    for params in ({"scale": "1_0"}, {"scale": "١"}, {"window_size": "٣,0"}, {"window_size": "1_0,0"}):
+        r = http.post("/attention", params=params, content=good_safetensors(t), headers={"content-type": ST})
+        assert list(params)[0] in message(assert_refused(r, {400})), (params, r.text)
+    before = _lengths(http, session)
+    bad = {"q": t["q"], "k": torch.randn(1, 2, 2, 4), "v": torch.randn(1, 2, 2, 4)}
+    r = http.post(f"/sessions/{session}/attend", content=good_safetensors(bad), headers={"content-type": ST})
+    text = message(assert_refused(r, {422}))
+    assert "N = 3" in text and "packed" not in text, text
+    assert _lengths(http, session) == before
+    assert_serving(http, native)

@@ -455,6 +455,33 @@ def _mistral(tmp_path, window=16):
     return tensors, load_layer("mistral0", tmp_path / "ckpt", 0)
 
 
+def test_a_window_shorter_than_the_warm_up_call_still_starts(tmp_path):
+    """The worker warms each layer with a 16-token call, causal and not; a non-causal call longer
+    than a sliding window is refused, so a checkpoint whose window is under 16 once kept the
+    server from starting. Its non-causal warm-up call is now the window's length."""
+    import asyncio
+
+    from service.core.engine import Engine
+    from service.core.types import LayerRequest
+    from service.settings import load_settings
+
+    tensors, layer = _mistral(tmp_path, window=4)
+
+    async def main():
+        engine = Engine(load_settings(["--device", "cpu", "--warmup-shapes", "1x1x8x8",
+                                       "--layer", f"mis={tmp_path / 'ckpt'}:0"]))
+        await engine.start()
+        try:
+            assert engine.ready
+            x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(4))
+            return x, (await engine.call_layer(LayerRequest("mis", x, causal=True))).y
+        finally:
+            await engine.drain()
+
+    x, y = asyncio.run(main())
+    torch.testing.assert_close(y, layer.to("cpu").forward(x, causal=True), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", ["reference", "auto"])
 @pytest.mark.parametrize("n", [16, 17, 40])
 def test_sliding_window_longer_than_the_window_matches_float64(tmp_path, n, kernel):

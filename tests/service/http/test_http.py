@@ -655,6 +655,27 @@ def test_body_limit_413(guarded):
     still_serving(guarded.url)
 
 
+def test_a_413_for_the_declared_length_closes_the_connection(guarded):
+    """A body refused for its Content-Length is never read: the answer says Connection: close and
+    the server closes (it once kept the connection and read what followed as that body, so the
+    next request on it waited --body-timeout-s for a 408)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(guarded.url)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as sock:
+        sock.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-safetensors\r\n"
+                     b"X-API-Key: " + API_KEY.encode() + b"\r\nContent-Length: 99999999\r\n\r\n"
+                     b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(1 << 16):  # until the server closes (a timeout fails the test)
+            data += chunk
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 413") and b"connection: close" in head, data[:300]
+    assert data.count(b"HTTP/1.1") == 1, data  # the bytes after the head were not served as a request
+    still_serving(guarded.url)
+
+
 def test_json_limit_413_before_parsing(guarded):
     """A JSON document over --max-json-mb (1 MiB here) is refused although under --max-body-mb (4 MiB):
     parsed JSON numbers take 15-30x their text in memory."""
