@@ -180,11 +180,11 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     async def server_metadata() -> dict:
         return oip.server_metadata(EXTENSIONS)
 
-    @router.get("/health/live", summary="server live")
+    @router.api_route("/health/live", methods=["GET", "HEAD"], summary="server live")
     async def live() -> dict:
         return {"live": True}
 
-    @router.get("/health/ready", summary="server ready")
+    @router.api_route("/health/ready", methods=["GET", "HEAD"], summary="server ready")
     async def server_ready() -> dict:
         ready()
         return {"ready": True}

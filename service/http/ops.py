@@ -17,12 +17,14 @@ from service.wire.oip import NOT_READY
 
 
 def add_ops_routes(app: FastAPI, engine: Any, metrics: HttpMetrics) -> None:
-    @app.get("/healthz", summary="alive (the process answers)")
+    # the probes answer HEAD too (load balancers' health checks send it): status and headers only
+    @app.api_route("/healthz", methods=["GET", "HEAD"], summary="alive (the process answers)")
     async def healthz() -> dict:
         return {"status": "alive"}
 
-    @app.get(
+    @app.api_route(
         "/readyz",
+        methods=["GET", "HEAD"],
         summary="200 once every worker is warm; 503 before and while draining",
         responses={"503": {"description": "not ready", **error_schema()}},
     )

@@ -593,6 +593,9 @@ def test_deadline_504_and_request_id(server, http):
 def test_health_metrics_docs(http):
     assert http.get("/healthz").json() == {"status": "alive"}
     assert http.get("/readyz").status_code == 200
+    for probe in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):  # load balancers send HEAD
+        r = http.head(probe)
+        assert r.status_code == 200 and r.content == b"", (probe, r.status_code)
     post_st(http, {"q": Q, "k": K, "v": V})
     text = http.get("/metrics").text
     assert any(
