@@ -1,5 +1,5 @@
 """Paged attention over a KV cache kept in fixed-size pages, and the append that fills it
-(flash-attn's ``flash_attn_with_kvcache`` conventions, API.md §5).
+(flash-attn's ``flash_attn_with_kvcache`` conventions, docs/api.md#ragged-and-paged-batches).
 
     from kernels import append_paged, attention_paged
     append_paged(k_pages, v_pages, block_table, cache_lens, k_new, v_new, cu_seqlens_new)

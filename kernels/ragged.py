@@ -26,7 +26,7 @@ A sequence whose programs alone would leave SMs idle (few query rows, many keys)
 keys (flash-decoding): each split writes a float32 partial (o, lse), and ``ragged_merge`` combines
 a token's splits in order.
 
-Batch invariance (API.md §9): a sequence's plan — its class, tile sizes, number of splits and
+Batch invariance (docs/api.md#batching-policy): a sequence's plan — its class, tile sizes, number of splits and
 split boundaries — depends only on its own n_q and n_k and on static configuration (head counts,
 head dim, dtype, the device's SM count), never on S or on the other sequences; and every program
 computes rows of one sequence only. So a sequence's o and lse are bit for bit the same whatever

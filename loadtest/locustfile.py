@@ -1,4 +1,4 @@
-"""Locust users for attnserve: every transport of API.md, every answer checked.
+"""Locust users for attnserve: every transport of docs/api.md, every answer checked.
 
     locust -f loadtest/locustfile.py -H http://HOST:8000 --mix small [--grpc-target HOST:8001] \
         SafetensorsUser GrpcUser JsonUser OipUser
@@ -9,7 +9,7 @@ Users (pick any on the command line; each has weight 1):
                    and "json-list small-f32" (nested float32 lists)
   OipUser          POST /v2/models/attention/infer, binary tensor extension ("oip <shape>")
   GrpcUser         attention.v1.AttentionService/Attend             ("grpc <shape>", type "grpc")
-  SessionUser      a session's life over HTTP (API.md §10): create, a chunked prefill, decode steps,
+  SessionUser      a session's life over HTTP (docs/api.md#sessions): create, a chunked prefill, decode steps,
                    the last with end=true ("session create|prefill|decode <plan>"); mixes
                    sessions and sessions-small (loadtest/sessions.py), every answer checked
                    against a client-side reference
@@ -55,7 +55,7 @@ GRPC_THREADS = 1024  # at most this many calls at once per Locust process (one p
 # master waits 30 s before it drops a silent worker and stops the run.
 locust.runners.HEARTBEAT_LIVENESS = 30
 
-GRPC_MAX_MESSAGE = 1 << 30  # API.md §3: at least 1 GiB each way
+GRPC_MAX_MESSAGE = 1 << 30  # docs/api.md#grpc: at least 1 GiB each way
 
 
 @events.init_command_line_parser.add_listener
@@ -168,7 +168,7 @@ class _HttpBase(FastHttpUser):
 
 
 class SafetensorsUser(_HttpBase):
-    """POST /attention with a safetensors body; options as query parameters (API.md §2)."""
+    """POST /attention with a safetensors body; options as query parameters (docs/api.md#http-api)."""
 
     @task
     def attend(self) -> None:
@@ -194,7 +194,7 @@ class JsonUser(_HttpBase):
 
 
 class OipUser(_HttpBase):
-    """Open Inference Protocol infer with the binary tensor data extension (API.md §6)."""
+    """Open Inference Protocol infer with the binary tensor data extension (docs/api.md#open-inference-protocol)."""
 
     @task
     def infer(self) -> None:
@@ -206,7 +206,7 @@ class OipUser(_HttpBase):
 
 
 class SessionUser(_HttpBase):
-    """One session's whole life per task, over HTTP safetensors (API.md §10); the plan is drawn
+    """One session's whole life per task, over HTTP safetensors (docs/api.md#sessions); the plan is drawn
     from the session mix (--mix sessions, sessions-small), by weight. A user stopped mid-life ends
     its session in on_stop. With worker processes Locust's master interrupts its workers 3 s
     after the run ends, before their users' on_stop has run, so the runner (loadtest/run.py)

@@ -1,4 +1,4 @@
-"""Session mixes of the load tests (API.md §10) and their client-side reference (no Locust here).
+"""Session mixes of the load tests (docs/api.md#sessions) and their client-side reference (no Locust here).
 
 One user's task is a whole session's life, as a serving stack drives it: create, a prefill in
 chunks, decode steps, the last one with ``end``. Every step sends fresh random q, k, v; the user

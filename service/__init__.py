@@ -1,4 +1,4 @@
-"""attnserve: exact attention served over HTTP and gRPC (API.md).
+"""attnserve: exact attention served over HTTP and gRPC (docs/api.md).
 
 ``__version__`` is the installed package's version (pyproject.toml), read once here; every
 transport reports this one.

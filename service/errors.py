@@ -1,5 +1,5 @@
 """Domain exceptions of the service. Transports map them to status codes in one place each:
-HTTP by ``http_status``, gRPC by ``grpc_code`` (names of ``grpc.StatusCode``), per API.md §7.
+HTTP by ``http_status``, gRPC by ``grpc_code`` (names of ``grpc.StatusCode``), per docs/api.md#errors.
 """
 
 from __future__ import annotations

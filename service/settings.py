@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -43,10 +44,11 @@ class Settings(BaseSettings):
         description="'auto' (every visible GPU, else the CPU), 'cpu', 'cuda', "
         "or a list such as 'cuda:0,cuda:1'",
     )
-    layer: list[str] = Field(
+    layer: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="model layer to serve, NAME=DIR:INDEX "
-        "(a Hugging Face checkpoint folder and a layer index); repeatable",
+        "(a Hugging Face checkpoint folder and a layer index); repeatable (in the variable: several "
+        "separated by commas, or a JSON list)",
     )
     layer_dtype: str | None = Field(
         None, description="dtype for layer weights (float16, bfloat16, float32); default: the checkpoint's"
@@ -151,7 +153,7 @@ class Settings(BaseSettings):
         True,
         description="keep the autotuner's choices in Triton's cache dir (TRITON_CACHE_DIR/attnserve-autotune, "
         "keyed by kernel, autotuning key, GPU model and Triton version), so that a restart replays them instead "
-        "of timing every config again (docs/deploy.md#kernel-cache); off: every start tunes anew",
+        "of timing every config again (docs/deploy.md#the-triton-cache-volume); off: every start tunes anew",
     )
     memory_fraction: float = Field(
         0.9,
@@ -194,7 +196,7 @@ class Settings(BaseSettings):
     )
     kv_cache_mb: float | None = Field(
         None, gt=0,
-        description="size of each worker's paged KV cache for sessions (API.md §10), in MiB; default: 256 on "
+        description="size of each worker's paged KV cache for sessions (docs/api.md#sessions), in MiB; default: 256 on "
         "the CPU, on a GPU half of what the worker may use after its warm-up (--memory-fraction), the rest "
         "left to stateless requests",
     )
@@ -214,6 +216,20 @@ class Settings(BaseSettings):
         "Inference Server's: each line costs the event loop time on every call, and /metrics counts "
         "requests by route and status",
     )
+
+    @field_validator("layer", mode="before")
+    @classmethod
+    def _layer_list(cls, value: Any) -> Any:
+        """ATTNSERVE_LAYER: 'a=/m:0' or 'a=/m:0,b=/m:3', or a JSON list of such specs."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except ValueError:
+                raise ValueError(f"not a JSON list of NAME=DIR:INDEX specs: {value!r}") from None
+        return [part.strip() for part in text.split(",") if part.strip()]
 
     @property
     def max_body_bytes(self) -> int:

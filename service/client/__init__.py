@@ -4,7 +4,7 @@
     o = AttentionClient("http://localhost:8000").attention(q, k, v, causal=True)
     o = GrpcAttentionClient("localhost:8001").attention(q, k, v, causal=True)
     with AttentionClient("http://localhost:8000").session(num_kv_heads=8, head_dim=128) as s:
-        o = s.step(q, k, v)                                  # sessions (API.md §10): a ``Session``
+        o = s.step(q, k, v)                                  # sessions (docs/api.md#sessions): a ``Session``
 
 The gRPC client is imported on first use: the HTTP client needs neither grpcio nor the stubs.
 ``service.client.transformers`` (``SessionCache``, ``use_attnserve``) runs a Hugging Face model's

@@ -1,4 +1,4 @@
-"""Python client of the gRPC API (attention.v1, API.md §3), with the interface of the HTTP client
+"""Python client of the gRPC API (attention.v1, docs/api.md#grpc), with the interface of the HTTP client
 (``service.client.http.AttentionClient``): torch tensors in, torch tensors out.
 
     from service.client import GrpcAttentionClient
@@ -23,6 +23,7 @@ error type with the same fields, and the stream goes on.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client.http import AttentionServiceError
 from service.client.sessions import SessionsMixin, q_lengths_tensor
+from service.errors import ServiceError
 from service.grpc import codec as grpc_codec
 from service.grpc.protogen import attention_stubs
 from service.wire import SESSION_HEADER, tensors
@@ -52,6 +54,16 @@ def _error(exc: grpc.RpcError) -> GrpcAttentionServiceError:
     retry = trailers.get("retry-after")
     code = trailers.get("attnserve-error-code", exc.code().name.lower())
     return GrpcAttentionServiceError(exc.code(), code, exc.details() or "", float(retry) if retry else None)
+
+
+@contextlib.contextmanager
+def _building():
+    """A request this client cannot even build (a tensor dtype the messages do not carry, a bad
+    option) raises what the server would have answered: INVALID_ARGUMENT."""
+    try:
+        yield
+    except ServiceError as exc:
+        raise GrpcAttentionServiceError(grpc.StatusCode.INVALID_ARGUMENT, exc.code, exc.message, None) from None
 
 
 def _call_error(err) -> GrpcAttentionServiceError:
@@ -133,9 +145,10 @@ class GrpcAttentionClient(SessionsMixin):
         """q: (B, Hq, Nq, D), k/v: (B, Hkv, Nk, D) ((B, N, H, D) with layout="bnhd") -> o [, lse].
         window_size (left, right), softcap, alibi_slopes float32 (Hq,) or (B, Hq): flash-attn's score
         modifiers (docs/api.md#attention-semantics); None: the server's default (off)."""
-        req = attend_request(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
-                             return_lse=return_lse, layout=layout, kernel=kernel, window_size=window_size,
-                             softcap=softcap, alibi_slopes=alibi_slopes)
+        with _building():
+            req = attend_request(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
+                                 return_lse=return_lse, layout=layout, kernel=kernel, window_size=window_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes)
         return _result(self._call(self._stub.Attend, req))
 
     def attention_stream(self, requests: Iterable[dict[str, Any]], timeout: float | None = None
@@ -173,8 +186,9 @@ class GrpcAttentionClient(SessionsMixin):
                    positions: torch.Tensor | None = None,
                    kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, N, hidden) -> y: (B, N, hidden)."""
-        req = grpc_codec.with_tensors(pb.LayerRequest(layer=name, causal=causal), x=x, positions=positions,
-                                      kv_lengths=kv_lengths)
+        with _building():
+            req = grpc_codec.with_tensors(pb.LayerRequest(layer=name, causal=causal), x=x, positions=positions,
+                                          kv_lengths=kv_lengths)
         return _tensor(self._call(self._stub.CallLayer, req).y)
 
     def ready(self) -> bool:
@@ -185,7 +199,7 @@ class GrpcAttentionClient(SessionsMixin):
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
-    # ---- sessions (API.md §10; the shared logic: service.client.sessions) ----------------------
+    # ---- sessions (docs/api.md#sessions; the shared logic: service.client.sessions) ----------------------
 
     def _create_session(self, fields: dict[str, Any], affinity: str) -> dict[str, Any]:
         req = pb.CreateSessionRequest(session=fields["session"] or "", layers=fields["layers"],
@@ -195,7 +209,8 @@ class GrpcAttentionClient(SessionsMixin):
 
     def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None], options: dict[str, Any],
                       affinity: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        req = session_attend_request(sessions, **tensors, **options)
+        with _building():
+            req = session_attend_request(sessions, **tensors, **options)
         resp = self._call(self._stub.SessionAttend, req, affinity)
         return _tensor(resp.o), _tensor(resp.lse) if resp.HasField("lse") else None
 

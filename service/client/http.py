@@ -1,4 +1,4 @@
-"""Python client of the native HTTP API (API.md §2): torch tensors in, torch tensors out, over
+"""Python client of the native HTTP API (docs/api.md#http-api): torch tensors in, torch tensors out, over
 safetensors (the fast path).
 
     from service.client import AttentionClient
@@ -234,7 +234,7 @@ class AttentionClient(SessionsMixin):
         except urllib3.exceptions.HTTPError:
             return False
 
-    # ---- sessions (API.md §10; the shared logic: service.client.sessions) ----------------------
+    # ---- sessions (docs/api.md#sessions; the shared logic: service.client.sessions) ----------------------
 
     def _json_call(self, method: str, path: str, doc: Any, affinity: str) -> urllib3.BaseHTTPResponse:
         headers = {**self._http.headers, SESSION_HEADER: affinity}

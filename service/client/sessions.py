@@ -1,4 +1,4 @@
-"""Sessions in the Python clients (API.md §10): the logic both clients share; each transport
+"""Sessions in the Python clients (docs/api.md#sessions): the logic both clients share; each transport
 (``AttentionClient``, ``GrpcAttentionClient``) provides only the calls themselves.
 
     s = client.create_session(num_kv_heads=8, head_dim=128, dtype=torch.float16, layers=32)
@@ -65,7 +65,13 @@ class Session:
 
 
 def session_id(session: Session | str) -> str:
-    return session.id if isinstance(session, Session) else session
+    """A session's id; a clear TypeError for anything that is not a session or its id (a None
+    would otherwise travel as the id 'None', or fail deep in URL quoting)."""
+    if isinstance(session, Session):
+        return session.id
+    if not isinstance(session, str) or not session:
+        raise TypeError(f"session must be a Session or its id (a non-empty string), got {session!r}")
+    return session
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -74,6 +80,9 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def q_lengths_tensor(q_lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """A packed step's rows of q per session, as int32 [S]."""
+    if q_lengths is None:
+        raise TypeError("a packed step needs q_lengths: the rows of q of each session, in order")
     return torch.as_tensor(q_lengths, dtype=torch.int32).reshape(-1)
 
 

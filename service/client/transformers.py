@@ -204,7 +204,8 @@ class SessionCache(Cache):
             raise RuntimeError("this SessionCache is closed: its sessions are deleted")
         b, hkv, _, d = key_states.shape
         if b != self.batch_size:
-            raise ValueError(f"the model's batch is {b} rows, the SessionCache was made for {self.batch_size}")
+            raise ValueError(f"the model's batch is {b} rows, the SessionCache was made for {self.batch_size} "
+                             "(with num_return_sequences = n, make it for the prompts' rows times n)")
         if (hkv, d) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"keys (B, {hkv}, n, {d}) do not fit the sessions' (Hkv, D) = "
                              f"({self.num_kv_heads}, {self.head_dim})")

@@ -1,4 +1,4 @@
-"""The dynamic batcher (API.md §9), in Ray Serve's shape (``serve/batching.py``).
+"""The dynamic batcher (docs/api.md#batching-policy), in Ray Serve's shape (``serve/batching.py``).
 
 Each request waits as a ``Pending`` (its request, its batch key, a future). Requests of one key
 can share a launch: they are concatenated along B. One dispatcher task hands batches to workers:
@@ -13,7 +13,7 @@ can share a launch: they are concatenated along B. One dispatcher task hands bat
   worker, behind its running launch) once it holds ``max_batch_tokens`` query tokens or
   ``max_batch_work_ms`` of estimated device work, or its oldest request has waited
   ``max_queue_delay_ms``;
-- a batch never grows past ``max_batch_work_ms`` (a request above it runs alone). API.md §9 caps
+- a batch never grows past ``max_batch_work_ms`` (a request above it runs alone). docs/api.md#batching-policy caps
   batches by tokens only; but a request that already keeps the GPU busy for milliseconds gains
   nothing from sharing a launch, and joining big requests serialises their staging behind one
   launch, where one per launch lets one launch's copies overlap another's kernel

@@ -13,7 +13,7 @@ Interface (stable; transports rely on it):
     engine.requests_held -> int     # queued or running now
     engine.activity -> int          # moves whenever a request or step comes or goes, a session begins or ends
     engine.idle -> bool             # no request or session step queued or running
-    engine.sessions                 # service.sessions.SessionManager: sessions and their steps (API.md §10)
+    engine.sessions                 # service.sessions.SessionManager: sessions and their steps (docs/api.md#sessions)
 Raises only ``service.errors.ServiceError`` subclasses.
 
 Deadlines: ``req.deadline`` is a ``time.monotonic()`` instant set by the transport (from

@@ -35,7 +35,7 @@ class Metrics:
         )
         self.failure = Counter(
             "attnserve_inference_request_failure",
-            "Requests that failed, by error code (API.md §7)",
+            "Requests that failed, by error code (docs/api.md#errors)",
             ["kind", "reason"],
             registry=r,
         )
@@ -103,7 +103,7 @@ class Metrics:
             registry=r,
         )
         self.sessions = Gauge(
-            "attnserve_sessions", "Sessions held (API.md §10)", ["device"], registry=r,
+            "attnserve_sessions", "Sessions held (docs/api.md#sessions)", ["device"], registry=r,
             multiprocess_mode="livesum",
         )
         self.kv_used = Gauge(

@@ -90,7 +90,7 @@ class AttentionRequest:
             )
         except kernels.AttentionInputError as exc:
             raise from_kernel_error(exc) from None
-        if self.kernel not in kernels.KERNELS:  # a bad option value: 400, as API.md §7 says
+        if self.kernel not in kernels.KERNELS:  # a bad option value: 400, as docs/api.md#errors says
             raise BadRequest(f"unknown kernel {self.kernel!r}; choose one of {', '.join(kernels.KERNELS)}")
         _check_layout(self.layout)
         if spec.masks.active and self.kernel in MASKLESS_KERNELS:

@@ -58,7 +58,8 @@ def put_tensor(field, t: torch.Tensor):
     Built in place because a message handed to a constructor is copied, bytes and all, and the
     copy makes serializing it several times slower too (protobuf's upb)."""
     if t.dtype not in ENUM_OF_DTYPE:
-        raise InvalidInput(f"dtype {t.dtype} cannot travel as an attention.v1.Tensor")
+        raise InvalidInput(f"dtype {t.dtype} cannot travel as an attention.v1.Tensor; use one of "
+                           f"{', '.join(str(d).removeprefix('torch.') for d in ENUM_OF_DTYPE)}")
     field.shape.extend(t.shape)
     field.dtype = ENUM_OF_DTYPE[t.dtype]
     field.data = tensors.tensor_to_bytes(t)

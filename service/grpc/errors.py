@@ -1,4 +1,4 @@
-"""The gRPC transport's one mapping of an exception to what a caller is told (API.md §7).
+"""The gRPC transport's one mapping of an exception to what a caller is told (docs/api.md#errors).
 
 ``error_status`` reads ``service.errors``' domain exceptions (their ``grpc_code``); anything else is
 a bug: logged, and INTERNAL without a stack trace. ``abort`` ends a call with that status (the

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol's gRPC framing: ``inference.GRPCInferenceService`` (API.md §6).
+"""The Open Inference Protocol's gRPC framing: ``inference.GRPCInferenceService`` (docs/api.md#open-inference-protocol).
 
 Framing only: tensors from ``raw_input_contents`` (one buffer per input; typed ``contents`` are
 accepted for FP32/INT32/INT64 too) and into ``raw_output_contents``, parameters from their

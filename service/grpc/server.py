@@ -6,7 +6,7 @@ Handlers only convert messages <-> internal requests (``codec``) and await the e
 code is set in one place, ``ServiceInterceptor``: wrapped once around every method handler but
 reflection's when it is registered (not a per-call grpc.aio interceptor), it checks the API key
 (``authorization: Bearer KEY`` metadata; not for health probes) and ends a call that raised with
-``errors.error_status``'s status (API.md §7). ``AttendStream`` and ``ModelStreamInfer`` send
+``errors.error_status``'s status (docs/api.md#errors). ``AttendStream`` and ``ModelStreamInfer`` send
 that same status in-band for a call that failed, so that one bad call does not end a stream that
 carries many.
 """

@@ -1,4 +1,4 @@
-"""Sessions over gRPC (API.md §10): the session rpcs of attention.v1.AttentionService.
+"""Sessions over gRPC (docs/api.md#sessions): the session rpcs of attention.v1.AttentionService.
 
 ``SessionServicer`` is mixed into the AttentionService servicer (``server.py``). Each rpc handler is
 a short function: message -> ``SessionStep`` (``session_step``) or manager call -> message, so that

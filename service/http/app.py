@@ -1,5 +1,5 @@
-"""The HTTP transport (FastAPI), wired: native routes (API.md §2, ``routes``), Open Inference
-Protocol routes (§6, ``oip``), health and metrics (``ops``), the OpenAPI document (``openapi``).
+"""The HTTP transport (FastAPI), wired: native routes (docs/api.md#http-api, ``routes``), Open Inference
+Protocol routes (docs/api.md#open-inference-protocol, ``oip``), health and metrics (``ops``), the OpenAPI document (``openapi``).
 A thin adapter: wire -> ``codec`` -> engine -> wire.
 
 Every request passes ``edge.EdgeMiddleware`` (API key, request id, metrics, last-resort 500);
@@ -24,7 +24,7 @@ from service.settings import Settings
 
 def create_app(engine: Any, settings: Settings) -> FastAPI:
     """The FastAPI app over ``engine`` (see ``service.core.engine`` for its interface)."""
-    app = FastAPI(title="attnserve", version=__version__, summary="Exact attention as a service (API.md)")
+    app = FastAPI(title="attnserve", version=__version__, summary="Exact attention as a service (docs/api.md)")
     metrics = HttpMetrics()
     direct: list[DirectRoute] = []  # the hot routes, called from the edge (filled below)
     app.add_middleware(EdgeMiddleware, settings=settings, metrics=metrics, direct=direct)
@@ -33,7 +33,7 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
     add_ops_routes(app, engine, metrics)
     app.include_router(create_router(engine, settings))
     routes = list(app.router.routes)
-    if hasattr(engine, "sessions"):  # API.md §10 (an engine stand-in without sessions serves none)
+    if hasattr(engine, "sessions"):  # docs/api.md#sessions (an engine stand-in without sessions serves none)
         from service.http.sessions import create_router as create_sessions_router
 
         sessions = create_sessions_router(engine, settings)

@@ -1,4 +1,4 @@
-"""The native routes' wire format (API.md §2) <-> the internal request/result types.
+"""The native routes' wire format (docs/api.md#http-api) <-> the internal request/result types.
 
 A request is a safetensors file (its tensors viewed in the body, not copied) or a JSON object
 (``json_tensors``); options come from the query string, the file's ``__metadata__`` or the JSON

@@ -1,4 +1,4 @@
-"""The HTTP transport's one mapping of errors to status codes and bodies (API.md §7).
+"""The HTTP transport's one mapping of errors to status codes and bodies (docs/api.md#errors).
 
 Every ``ServiceError`` (``service.errors``) gets its ``http_status``, request-validation errors 400,
 unknown routes 404/405; anything else 500 without a stack trace (``internal_error_response``,

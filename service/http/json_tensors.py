@@ -1,4 +1,4 @@
-"""Tensors in JSON (API.md §2), both directions, for the native routes and the Open Inference
+"""Tensors in JSON (docs/api.md#http-api), both directions, for the native routes and the Open Inference
 Protocol's JSON data. Refuses what it cannot decode (400) or what is too big to parse (413).
 
 Encodings of a JSON tensor:

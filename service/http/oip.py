@@ -1,4 +1,4 @@
-"""The Open Inference Protocol's HTTP framing and routes (``/v2/...``, API.md §6), so that
+"""The Open Inference Protocol's HTTP framing and routes (``/v2/...``, docs/api.md#open-inference-protocol), so that
 ``tritonclient.http`` works unchanged: JSON tensors and the binary tensor data extension
 (``Inference-Header-Content-Length``, ``binary_data_size``, ``binary_data_output``).
 

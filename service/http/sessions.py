@@ -1,4 +1,4 @@
-"""HTTP routes of sessions (API.md §10): a thin adapter, wire -> ``SessionStep`` -> ``engine.sessions``.
+"""HTTP routes of sessions (docs/api.md#sessions): a thin adapter, wire -> ``SessionStep`` -> ``engine.sessions``.
 
     POST   /sessions                 JSON {"layers", "num_kv_heads", "head_dim", "dtype", "session"?} -> 201
     POST   /sessions/{id}/attend     a step: body as /attention (q, optionally k and v)
@@ -105,7 +105,8 @@ def decode_packed(body: bytearray, mtype: str, query: Mapping[str, str], **ids: 
     missing = [n for n, present in (("q", "q" in tensors), ("q_lengths", lengths is not None),
                                     ("sessions", "sessions" in raw)) if not present]
     if missing:
-        raise BadRequest(f"a packed step needs {', '.join(missing)}")
+        raise BadRequest(f"a packed step needs {', '.join(missing)} (one session's step goes to "
+                         "POST /sessions/{id}/attend)")
     sessions = _session_ids(raw.pop("sessions"))
     opts = step_options(raw)
     if opts.pop("layout", "bhnd") != "bhnd":

@@ -1,4 +1,4 @@
-"""Sessions (API.md §10): keys and values kept on the server in a paged KV cache per worker.
+"""Sessions (docs/api.md#sessions): keys and values kept on the server in a paged KV cache per worker.
 
     manager.py    the table, create/describe/list/delete, steps (atomic, ordered), idle expiry
     step.py       ``SessionStep``: the one internal step type (single or packed), ``SessionResult``

@@ -1,4 +1,4 @@
-"""Sessions held by the engine (API.md §10): the table, creation, steps, release and idle expiry.
+"""Sessions held by the engine (docs/api.md#sessions): the table, creation, steps, release and idle expiry.
 
 Interface (what every transport calls; ``engine.sessions``):
     info = manager.create(session=None, layers=1, num_kv_heads=..., head_dim=..., dtype="float16")

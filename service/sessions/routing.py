@@ -1,4 +1,4 @@
-"""Sessions across processes (API.md §10; docs/architecture.md "Sessions across processes").
+"""Sessions across processes (docs/api.md#sessions; docs/architecture.md "Sessions across processes").
 
 Under ``--processes N`` the kernel hands each connection to any of the N processes, but a session's
 keys and values live in one of them. So:

@@ -1,4 +1,4 @@
-"""Session steps batched into paged launches, one scheduler per worker (API.md §9, §10).
+"""Session steps batched into paged launches, one scheduler per worker (docs/api.md#batching-policy, #sessions).
 
 A ``Work`` is the part of a step that one worker runs: its sessions' rows (a step's sessions may be
 held by several workers; each runs its own part). Works wait in their worker's FIFO; the policy is

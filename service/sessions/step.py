@@ -1,4 +1,4 @@
-"""The one internal type of a session step (API.md §10), what every transport builds, and its result.
+"""The one internal type of a session step (docs/api.md#sessions), what every transport builds, and its result.
 
 A single step and a packed step are one ``SessionStep``: S sessions' new rows in flash-attn's varlen
 packing, checked once when it is built (``SessionStep.single`` / ``SessionStep.packed``):

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol (KServe v2, API.md §6) apart from its framing, for both transports.
+"""The Open Inference Protocol (KServe v2, docs/api.md#open-inference-protocol) apart from its framing, for both transports.
 
 Each transport decodes its own framing (HTTP: JSON and the binary tensor data extension; gRPC:
 protobuf with ``raw_input_contents``) into a model name, named input tensors, parameters (name ->
@@ -15,7 +15,7 @@ loaded layer (input x [B, N, hidden], optional positions INT64 [B, N] and kv_len
 causal; output y). Unknown parameters are ignored, as in the protocol; an unknown input or output
 is refused, as Triton refuses one.
 
-Sequences (API.md §10): an ``attention`` call with Triton's sequence parameters (``sequence_id``, an
+Sequences (docs/api.md#sessions): an ``attention`` call with Triton's sequence parameters (``sequence_id``, an
 integer or a string, 0 or "" meaning none; ``sequence_start``; ``sequence_end``) is a session step
 on the session ``str(sequence_id)``: ``sequence_start`` creates it from the step's own shapes (k and
 v required; parameter ``layers``, default 1), parameter ``layer`` picks the layer (default 0),
@@ -123,13 +123,14 @@ ATTENTION_MODEL = Model(
         "return_lse": "bool",
         "kernel": "string",
         "window_size": "string 'L,R' (sliding window in keys, -1: unbounded; default unbounded)",
-        "softcap": "float (soft cap of the scores, > 0; default 0: off)",
+        "softcap": "float (soft cap of the scores, >= 0; 0, the default: off)",
         "sequence_id": "int or string (a session step; 0 or '' none)",
         "sequence_start": "bool (create the session: k, v required)",
         "sequence_end": "bool (release the session after the step)",
         "layers": "int (with sequence_start; default 1)",
         "layer": "int (a session step's layer; default 0)",
         "datatypes": "q, k, v: FP16, BF16 or FP32 (o follows q)",
+        "shapes": "alibi_slopes: [Hq] or [B, Hq] (the input's metadata shows the 2-D form)",
     },
 )
 ATTENTION_PARAMETERS = ("causal", "scale", "return_lse", "kernel", "window_size", "softcap")

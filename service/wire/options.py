@@ -1,4 +1,4 @@
-"""Option values, as a transport decoded them, -> the fields of the internal request (API.md §1).
+"""Option values, as a transport decoded them, -> the fields of the internal request (docs/api.md#attention-semantics).
 
 One parser per option, shared by the native HTTP routes (query strings, safetensors metadata
 strings, JSON values) and the Open Inference Protocol (JSON parameters over HTTP; ``bool_param``,

@@ -1,4 +1,4 @@
-"""attention_varlen (API.md §5): packed sequences, each attended alone, in one launch.
+"""attention_varlen (docs/api.md#ragged-and-paged-batches): packed sequences, each attended alone, in one launch.
 
 On the CPU the "flash" kernels run under TRITON_INTERPRET=1 (conftest sets it) at tiny sizes;
 the ``gpu`` tests repeat the tables on CUDA with bfloat16, long and many sequences. Error budget

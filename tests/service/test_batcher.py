@@ -1,4 +1,4 @@
-"""The dynamic batcher and the workers, in-process on the CPU (API.md §9, §7).
+"""The dynamic batcher and the workers, in-process on the CPU (docs/api.md#batching-policy, #errors).
 
 Every response of a batched run must equal that request run alone (STYLE.md 13); faults are
 injected by monkeypatching ``kernels.attention``, the call the worker makes (STYLE.md 14).

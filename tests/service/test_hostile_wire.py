@@ -2,7 +2,7 @@
 once their zero dim is ignored, safetensors headers whose data_offsets overlap, leave gaps or run
 past the data, names given twice, JSON booleans (strings, null, objects) where numbers belong; and
 structured fuzzing (hypothesis) of the safetensors header, the JSON tensors, the OIP binary framing
-and the gRPC messages. Every answer is a 4xx / INVALID_ARGUMENT-like status (API.md §7), never a
+and the gRPC messages. Every answer is a 4xx / INVALID_ARGUMENT-like status (docs/api.md#errors), never a
 5xx, INTERNAL or UNKNOWN, and the server keeps serving.
 
 The OIP gRPC messages are tritonclient's own (``service.grpc.oip`` must not be imported in a

@@ -1,7 +1,7 @@
-"""Sessions over gRPC and through both Python clients, against a real CPU server (API.md §10):
+"""Sessions over gRPC and through both Python clients, against a real CPU server (docs/api.md#sessions):
 steps equal /attention over the whole K, V and a float64 reference; packed steps equal single ones
-(bitwise); q-only steps; end; SessionAttendStream's in-band errors; every status code of §10's
-table; the clients' session API and its context manager."""
+(bitwise); q-only steps; end; SessionAttendStream's in-band errors; every status code of the error
+table of docs/api.md#sessions; the clients' session API and its context manager."""
 
 from __future__ import annotations
 
@@ -217,6 +217,30 @@ def test_client_session_api_and_context_manager(client, http, transport):
 
 
 # ---------------------------------------------------------------- the affinity header
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_client_side_mistakes_are_named(client, http, transport):
+    """A newcomer's mistakes that never reach the server get errors that say what is wrong: a step
+    without a session (it once traveled as the id 'None', or failed in URL quoting), a packed step
+    without q_lengths, and over gRPC a dtype its messages do not carry (a service-internal error
+    type once escaped; now the client's own, INVALID_ARGUMENT, naming the dtypes)."""
+    from service.client import GrpcAttentionServiceError
+
+    c = client if transport == "grpc" else http
+    q, k, v = qkv(1, 7)
+    for session in (None, ""):
+        with pytest.raises(TypeError, match="session must be a Session or its id"):
+            c.step(session, q, k, v)
+    s = c.create_session(HKV, D, "float32")
+    with pytest.raises(TypeError, match="needs q_lengths"):
+        c.packed_step([s], q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), None)
+    assert c.get_session(s)["lengths"] == [0]
+    c.delete_session(s)
+    if transport == "grpc":
+        with pytest.raises(GrpcAttentionServiceError) as err:
+            client.attention(q.double(), k.double(), v.double())
+        assert err.value.status == grpc.StatusCode.INVALID_ARGUMENT and "float16" in err.value.message
 
 
 @pytest.fixture

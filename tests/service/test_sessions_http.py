@@ -1,4 +1,4 @@
-"""Sessions over HTTP against real CPU servers (API.md §10): steps equal /attention over the whole
+"""Sessions over HTTP against real CPU servers (docs/api.md#sessions): steps equal /attention over the whole
 K, V and a float64 reference; packed steps equal single ones; concurrency shares launches; failed
 steps append nothing; 507, expiry, 404/409/422; DELETE returns the memory."""
 

@@ -1,4 +1,4 @@
-"""Sessions through the Open Inference Protocol's sequence parameters (API.md §10), driven by
+"""Sessions through the Open Inference Protocol's sequence parameters (docs/api.md#sessions), driven by
 tritonclient's own ``infer(..., sequence_id=, sequence_start=, sequence_end=)`` over HTTP and gRPC
 against a real CPU server: a prefill and a decode loop equal /attention over the concatenation; a
 second start is 409 / ALREADY_EXISTS; the session is gone after sequence_end."""

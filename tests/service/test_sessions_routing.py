@@ -1,4 +1,4 @@
-"""Sessions across processes (API.md §10, service/sessions/routing.py): under --processes 2 a session
+"""Sessions across processes (docs/api.md#sessions, service/sessions/routing.py): under --processes 2 a session
 call reaches the process that holds the session whichever process accepted the connection, over
 HTTP and gRPC; GET /sessions is the union; a packed step across processes is a 422 naming the groups."""
 

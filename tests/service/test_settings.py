@@ -33,6 +33,15 @@ def test_bool_and_repeatable_flags(monkeypatch):
     monkeypatch.setenv("ATTNSERVE_BATCHING", "false")
     assert load_settings([]).batching is False
     assert load_settings(["--batching"]).batching is True
+    # the variable: one spec, specs separated by commas, or a JSON list (a plain spec once failed to start
+    # with a traceback from the settings library)
+    for value, want in (("a=/m:0", ["a=/m:0"]), ("a=/m:0, b=/m:1", ["a=/m:0", "b=/m:1"]),
+                        ('["a=/m:0", "b=/m:1"]', ["a=/m:0", "b=/m:1"])):
+        monkeypatch.setenv("ATTNSERVE_LAYER", value)
+        assert load_settings([]).layer == want
+    monkeypatch.setenv("ATTNSERVE_LAYER", "[oops")
+    with pytest.raises(ValueError, match="JSON list of NAME=DIR:INDEX"):
+        load_settings([])
 
 
 def test_bad_values_are_refused():

@@ -1,5 +1,5 @@
 """attention.v1 over gRPC against a real server (``python -m service --device cpu``): unary, streaming,
-concurrency, layers, every status code of API.md §7, health and reflection.
+concurrency, layers, every status code of docs/api.md#errors, health and reflection.
 
 Two servers per module: ``server`` (defaults, one BERT layer) and ``strict`` (--api-key,
 --max-body-mb 2, --max-queue-size 1).
@@ -306,7 +306,7 @@ def test_list_and_call_layer(client, stub, layer_dir):
     assert resp.request_id == "L" and list(resp.y.shape) == [2, 7, 40]
 
 
-# ---------------------------------------------------------------- errors (API.md §7)
+# ---------------------------------------------------------------- errors (docs/api.md#errors)
 
 
 def _bad_requests():

@@ -1,4 +1,4 @@
-"""The native HTTP API (API.md §2, §7) against a real server process, with real HTTP clients.
+"""The native HTTP API (docs/api.md#http-api, #errors) against a real server process, with real HTTP clients.
 
 Two servers per module: ``server`` (default limits, one tiny BERT layer loaded) and ``guarded``
 (--api-key, a 4 MiB body limit and --max-queue-size 1) for the 401/413/429 rows.
@@ -336,7 +336,7 @@ def test_layers(http, server, tiny_bert):
     assert_error(http.post("/layers/tiny", json={"x": x.tolist()}, params={"scale": "1"}), 400, "bad_request")
 
 
-# ---------------------------------------------------------------- errors (§7), each with a JSON body
+# ---------------------------------------------------------------- errors (docs/api.md#errors), each with a JSON body
 
 
 def _st(**tensors):
