@@ -96,6 +96,57 @@ SCHEMAS: dict[str, Any] = {
         "required": ["y"],
         "properties": {"y": {"$ref": "#/components/schemas/Tensor"}},
     },
+    "SessionCreate": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["num_kv_heads", "head_dim"],
+        "properties": {
+            "session": {"type": "string", "pattern": r"^[A-Za-z0-9._:-]{1,128}$",
+                        "description": "the id to give it; left out, the server makes one"},
+            "layers": {"type": "integer", "minimum": 1, "default": 1},
+            "num_kv_heads": {"type": "integer", "minimum": 1},
+            "head_dim": {"type": "integer", "minimum": 1, "maximum": 256},
+            "dtype": {"type": "string", "enum": ["float16", "bfloat16", "float32"], "default": "float16"},
+        },
+    },
+    "SessionStepJSON": {
+        "description": "one session's step: q [1, Hq, n, D], k and v [1, Hkv, n, D] or none (a q-only "
+                       "step); options as in the query",
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["q"],
+        "properties": {
+            **{n: {"$ref": "#/components/schemas/Tensor"} for n in ("q", "k", "v", "alibi_slopes")},
+            "layer": {"type": "integer", "minimum": 0},
+            "causal": {"type": "boolean"},
+            "scale": {"type": "number"},
+            "layout": {"type": "string", "enum": list(LAYOUTS)},
+            "return_lse": {"type": "boolean"},
+            "end": {"type": "boolean"},
+            "window_size": {"$ref": "#/components/schemas/WindowSize"},
+            "softcap": {"type": "number", "minimum": 0},
+        },
+    },
+    "PackedStepJSON": {
+        "description": "many sessions' rows: q [T, Hq, D], k and v [T, Hkv, D] or none, q_lengths the rows "
+                       "of each session in order",
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["sessions", "q", "q_lengths"],
+        "properties": {
+            "sessions": {"type": "array", "items": {"type": "string"}},
+            "q_lengths": {"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                    {"$ref": "#/components/schemas/Tensor"}]},
+            **{n: {"$ref": "#/components/schemas/Tensor"} for n in ("q", "k", "v", "alibi_slopes")},
+            "layer": {"type": "integer", "minimum": 0},
+            "causal": {"type": "boolean"},
+            "scale": {"type": "number"},
+            "return_lse": {"type": "boolean"},
+            "end": {"type": "boolean"},
+            "window_size": {"$ref": "#/components/schemas/WindowSize"},
+            "softcap": {"type": "number", "minimum": 0},
+        },
+    },
     "LayerInfo": {
         "type": "object",
         "properties": {
@@ -238,6 +289,26 @@ ATTENTION_OPENAPI = _body(
     ],
 )
 LAYER_OPENAPI = _body("LayerJSON", "LayerJSONResult", [{"name": "causal", "in": "query", "schema": _BOOL_Q}])
+_STEP_QUERY = [
+    {"name": "layer", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+    {"name": "causal", "in": "query", "schema": _BOOL_Q},
+    {"name": "scale", "in": "query", "schema": {"type": "number"}},
+    {"name": "return_lse", "in": "query", "schema": _BOOL_Q},
+    {"name": "end", "in": "query", "schema": _BOOL_Q},
+    *MASK_QUERY,
+]
+SESSION_PARAMETER = {"name": "session", "in": "path", "required": True, "schema": {"type": "string"}}
+STEP_OPENAPI = _body("SessionStepJSON", "AttentionJSONResult", [
+    SESSION_PARAMETER, *_STEP_QUERY, {"name": "layout", "in": "query", "schema": {"type": "string", "enum": list(LAYOUTS)}}])
+PACKED_STEP_OPENAPI = _body("PackedStepJSON", "AttentionJSONResult", [
+    {"name": "sessions", "in": "query", "schema": {"type": "string"}, "description": "comma-separated ids"},
+    {"name": "q_lengths", "in": "query", "schema": {"type": "string"}, "description": "comma-separated rows"},
+    *_STEP_QUERY])
+CREATE_SESSION_OPENAPI = {
+    "requestBody": {"required": True,
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SessionCreate"}}}},
+    "responses": ERRORS,
+}
 
 
 OIP_INFER_OPENAPI = {

@@ -29,7 +29,7 @@ from service.http import body as http_body
 from service.http import codec
 from service.http.disconnect import unless_gone
 from service.http.json_tensors import json_tensor
-from service.http.openapi import MASK_QUERY
+from service.http.openapi import CREATE_SESSION_OPENAPI, PACKED_STEP_OPENAPI, STEP_OPENAPI
 from service.http.routes import DirectRoute
 from service.sessions import SessionStep
 from service.settings import Settings
@@ -40,7 +40,6 @@ STEP_TENSORS = ("q", "k", "v", "alibi_slopes")
 STEP_OPTIONS = ("layer", "causal", "scale", "layout", "return_lse", "end", "window_size", "softcap")
 PACKED_OPTIONS = (*STEP_OPTIONS, "sessions")
 CREATE_FIELDS = ("session", "layers", "num_kv_heads", "head_dim", "dtype")
-SESSION_PARAMETER = {"name": "session", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def _parse_layer(value: Any) -> int:
@@ -155,7 +154,8 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         timing.mark("encode")
         return http_body.respond(content, media, {"Server-Timing": timing.value()})
 
-    @router.post("/sessions", status_code=201, summary="create a session (its KV cache is kept on the server)")
+    @router.post("/sessions", status_code=201, summary="create a session (its KV cache is kept on the server)",
+                 openapi_extra=CREATE_SESSION_OPENAPI)
     async def create_session(request: Request) -> Response:
         if http_body.media_type(request) != codec.JSON:
             raise UnsupportedMediaType(f"send the session's description as {codec.JSON}")
@@ -191,12 +191,10 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     # the steps are the hot path: DirectRoutes, their path parameter documented by hand
     router.add_api_route("/sessions/attend", attend_packed, methods=["POST"], response_class=Response,
                          summary="a packed step: many sessions' new tokens in one call",
-                         openapi_extra={"parameters": MASK_QUERY},
-                         route_class_override=DirectRoute)
+                         openapi_extra=PACKED_STEP_OPENAPI, route_class_override=DirectRoute)
     router.add_api_route("/sessions/{session}/attend", attend, methods=["POST"], response_class=Response,
                          summary="a step: append k, v, then attend q over the session's keys",
-                         openapi_extra={"parameters": [SESSION_PARAMETER, *MASK_QUERY]},
-                         route_class_override=DirectRoute)
+                         openapi_extra=STEP_OPENAPI, route_class_override=DirectRoute)
 
     @router.get("/sessions/{session}", summary="a session's description")
     async def get_session(session: str) -> Response:

@@ -609,6 +609,13 @@ def test_health_metrics_docs(http):
     body = schema["paths"]["/attention"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "application/x-safetensors"}
     assert "AttentionJSON" in schema["components"]["schemas"]
+    for path, json_schema in (("/sessions/{session}/attend", "SessionStepJSON"), ("/sessions/attend", "PackedStepJSON"),
+                              ("/sessions", "SessionCreate")):
+        content = schema["paths"][path]["post"]["requestBody"]["content"]
+        assert content["application/json"]["schema"]["$ref"].endswith("/" + json_schema), path
+        assert json_schema in schema["components"]["schemas"]
+    refs = re.findall(r'"\$ref":\s*"#/components/schemas/(\w+)"', orjson.dumps(schema).decode())
+    assert set(refs) <= set(schema["components"]["schemas"]), set(refs) - set(schema["components"]["schemas"])
 
 
 # ---------------------------------------------------------------- guarded server: 401, 413, 429
