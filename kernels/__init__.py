@@ -4,7 +4,8 @@
     o = attention(q, k, v, causal=False, scale=None, kv_lengths=None, return_lse=False, kernel="auto",
                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
 
-Ragged and paged batches (docs/api.md#ragged-and-paged-batches): ``attention_varlen``, ``attention_paged``, ``append_paged``.
+Ragged and paged batches (docs/api.md#ragged-and-paged-batches): ``attention_varlen``, ``attention_paged``,
+``append_paged``.
 """
 
 from __future__ import annotations

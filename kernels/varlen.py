@@ -1,5 +1,6 @@
 """Ragged (varlen) attention: S sequences of different lengths packed along one token axis, each
-attended alone, in one launch (flash-attn's ``flash_attn_varlen_func`` conventions, docs/api.md#ragged-and-paged-batches).
+attended alone, in one launch (flash-attn's ``flash_attn_varlen_func`` conventions,
+docs/api.md#ragged-and-paged-batches).
 
     from kernels import attention_varlen
     o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True, return_lse=True)

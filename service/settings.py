@@ -6,8 +6,8 @@ Precedence: command-line flag > environment variable > default.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator

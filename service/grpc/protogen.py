@@ -4,7 +4,7 @@ The stubs are build output (git-ignored ``proto/gen/``), never edited by hand. T
 ``grpc_tools.protoc`` (grpcio-tools, pinned to the grpcio runtime's version) from
 
     proto/attention/v1/attention.proto      package attention.v1  (docs/api.md#grpc)
-    proto/inference/grpc_predict_v2.proto   package inference     (Open Inference Protocol, docs/api.md#open-inference-protocol)
+    proto/inference/grpc_predict_v2.proto   package inference     (docs/api.md#open-inference-protocol)
 
 ``proto/gen/STAMP.json`` records what they were generated from (a hash of each .proto and the
 grpcio-tools version). ``attention_stubs()`` / ``inference_stubs()`` check it on first use and

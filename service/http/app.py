@@ -1,5 +1,6 @@
-"""The HTTP transport (FastAPI), wired: native routes (docs/api.md#http-api, ``routes``), Open Inference
-Protocol routes (docs/api.md#open-inference-protocol, ``oip``), health and metrics (``ops``), the OpenAPI document (``openapi``).
+"""The HTTP transport (FastAPI), wired: native routes (docs/api.md#http-api, ``routes``), Open
+Inference Protocol routes (docs/api.md#open-inference-protocol, ``oip``), health and metrics
+(``ops``), the OpenAPI document (``openapi``).
 A thin adapter: wire -> ``codec`` -> engine -> wire.
 
 Every request passes ``edge.EdgeMiddleware`` (API key, request id, metrics, last-resort 500);

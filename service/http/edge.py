@@ -20,9 +20,9 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.auth import check_api_key
+from service.core.types import new_request_id
 from service.errors import ServiceError
 from service.http.errors import internal_error_response, service_error_response
-from service.core.types import new_request_id
 from service.settings import Settings
 
 log = logging.getLogger("attnserve.http")

@@ -299,7 +299,8 @@ _STEP_QUERY = [
 ]
 SESSION_PARAMETER = {"name": "session", "in": "path", "required": True, "schema": {"type": "string"}}
 STEP_OPENAPI = _body("SessionStepJSON", "AttentionJSONResult", [
-    SESSION_PARAMETER, *_STEP_QUERY, {"name": "layout", "in": "query", "schema": {"type": "string", "enum": list(LAYOUTS)}}])
+    SESSION_PARAMETER, *_STEP_QUERY,
+    {"name": "layout", "in": "query", "schema": {"type": "string", "enum": list(LAYOUTS)}}])
 PACKED_STEP_OPENAPI = _body("PackedStepJSON", "AttentionJSONResult", [
     {"name": "sessions", "in": "query", "schema": {"type": "string"}, "description": "comma-separated ids"},
     {"name": "q_lengths", "in": "query", "schema": {"type": "string"}, "description": "comma-separated rows"},

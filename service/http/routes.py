@@ -1,4 +1,5 @@
-"""The native routes (docs/api.md#http-api, #layer-calls): ``POST /attention``, ``GET /layers``, ``POST /layers/{name}``.
+"""The native routes (docs/api.md#http-api, #layer-calls): ``POST /attention``, ``GET /layers``,
+``POST /layers/{name}``.
 
 Each reads its body (``body``), decodes it (``codec``; a heavy body in a thread), awaits the engine
 and answers in the encoding the request came in, with the call's phases in ``Server-Timing``.

@@ -138,7 +138,7 @@ class SessionManager:
         self.schedulers: list[StepScheduler] = []
         self._accepting, self._held_elsewhere = accepting, held_elsewhere
         self.held = 0  # steps accepted and not answered
-        self.activity = 0  # sessions made and ended, steps accepted and answered, ever: moves while busy
+        self.activity = 0  # sessions ended, steps accepted and answered, ever: moves while busy
         self._success = metrics.success.labels("session")  # looked up once: ``labels()`` costs more than inc()
         self._expiry: asyncio.Task | None = None
         self._geometries: dict[Geometry, Geometry] = {}

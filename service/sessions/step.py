@@ -40,7 +40,9 @@ def shown_id(session: Any) -> str:
     """A session id as an error message quotes it: whole up to 64 characters, else its start and
     its length (a gRPC status message must fit the client's 16 KiB metadata limit)."""
     text = repr(session)
-    return text if len(text) <= 66 else f"{text[:64]}... ({len(session) if isinstance(session, str) else '?'} characters)"
+    if len(text) <= 66:
+        return text
+    return f"{text[:64]}... ({len(session) if isinstance(session, str) else '?'} characters)"
 
 
 def check_session_id(session: str) -> str:

@@ -1,4 +1,5 @@
-"""The Open Inference Protocol (KServe v2, docs/api.md#open-inference-protocol) apart from its framing, for both transports.
+"""The Open Inference Protocol (KServe v2, docs/api.md#open-inference-protocol) apart from its
+framing, for both transports.
 
 Each transport decodes its own framing (HTTP: JSON and the binary tensor data extension; gRPC:
 protobuf with ``raw_input_contents``) into a model name, named input tensors, parameters (name ->

@@ -190,7 +190,8 @@ def test_cpu_path_batched_is_each_alone_bit_for_bit(shape, causal, lengths):
 
 
 @pytest.mark.parametrize("scale", [-0.7, 0.0, -0.0, -1e-3])
-@pytest.mark.parametrize("nq,nk,lengths", [(5, 5, False), (3, 9, False), (4, 9, True)], ids=["square", "chunk", "kv_lengths"])
+@pytest.mark.parametrize("nq,nk,lengths", [(5, 5, False), (3, 9, False), (4, 9, True)],
+                         ids=["square", "chunk", "kv_lengths"])
 def test_cpu_path_causal_with_a_scale_at_or_below_zero(monkeypatch, scale, nq, nk, lengths):
     """A causal call with scale <= 0 is valid (docs/api.md: any finite scale); torch's CPU kernel masks
     before it scales, so its masked scores came out NaN or +inf and every row but the last was NaN

@@ -1,4 +1,5 @@
-"""attention_paged and append_paged (docs/api.md#ragged-and-paged-batches): keys in shuffled, shared, partly filled pages.
+"""attention_paged and append_paged (docs/api.md#ragged-and-paged-batches): keys in shuffled, shared,
+partly filled pages.
 
 Every free slot of the pages is NaN (``ragged_cases.paginate``), so a read past a sequence's
 cache_lens, or through a block-table entry past its last page, shows up as NaN in o. Interpreter

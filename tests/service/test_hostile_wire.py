@@ -869,7 +869,8 @@ def test_layer_numbers_in_other_scripts_digits_are_refused(http, oip, native, se
     r = http.post("/sessions/attend", json={"sessions": [session], "layer": digits, "q_lengths": [3],
                                             **{n: x[0].transpose(0, 1).tolist() for n, x in t.items()}})
     assert "layer" in message(assert_refused(r, {400})), r.text
-    inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()} for n, x in t.items()]
+    inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()}
+              for n, x in t.items()]
     for parameters in ({"sequence_id": session, "layer": digits},
                        {"sequence_id": "digits", "sequence_start": True, "layers": digits}):
         r = http.post("/v2/models/attention/infer", json={"parameters": parameters, "inputs": inputs})
@@ -915,7 +916,8 @@ def test_what_a_second_outside_battery_found_is_answered_clearly(http, native, s
     (``scale=1_0`` was 10.0, ``window_size=٣,0`` was (3, 0)); a single step's k/v of the wrong length
     is described in the single step's own shape."""
     t = qkv(5)
-    inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()} for n, x in t.items()]
+    inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()}
+              for n, x in t.items()]
     r = http.post("/v2/models/attention/infer", json={"inputs": inputs, "outputs": []})
     assert r.status_code == 200, r.text
     assert [o["name"] for o in r.json()["outputs"]] == ["o"]
@@ -929,12 +931,13 @@ def test_what_a_second_outside_battery_found_is_answered_clearly(http, native, s
         assert "non-negative integer" in message(assert_refused(r, {400})), r.text
     doc = orjson.dumps({"inputs": [{"name": "q", "shape": [1, 2, 3, 4], "datatype": "FP32", "data": [0.0] * 24,
                                      "parameters": {"binary_data_size": 48}}]})
-    r = http.post("/v2/models/attention/infer", content=doc + raw, headers={"Inference-Header-Content-Length": str(len(doc))})
+    r = http.post("/v2/models/attention/infer", content=doc + raw,
+                  headers={"Inference-Header-Content-Length": str(len(doc))})
     assert "both data and binary_data_size" in message(assert_refused(r, {400})), r.text
     import gzip
 
-    for path, ctype, content in (("/attention", ST, good_safetensors(t)),
-                                 ("/attention", "application/json", orjson.dumps({n: x.tolist() for n, x in t.items()})),
+    as_json = orjson.dumps({n: x.tolist() for n, x in t.items()})
+    for path, ctype, content in (("/attention", ST, good_safetensors(t)), ("/attention", "application/json", as_json),
                                  ("/v2/models/attention/infer", "application/json", orjson.dumps({"inputs": inputs}))):
         r = http.post(path, content=gzip.compress(content), headers={"content-type": ctype, "content-encoding": "gzip"})
         assert "Content-Encoding" in message(assert_refused(r, {415})), r.text

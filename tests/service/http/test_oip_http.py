@@ -1,6 +1,6 @@
-"""Open Inference Protocol v2 over HTTP (docs/api.md#open-inference-protocol) against a real server, with Triton's own client
-(``tritonclient.http``) for JSON and binary tensors, and raw HTTP for what tritonclient cannot send
-(BF16 as JSON numbers) and for the error bodies."""
+"""Open Inference Protocol v2 over HTTP (docs/api.md#open-inference-protocol) against a real server,
+with Triton's own client (``tritonclient.http``) for JSON and binary tensors, and raw HTTP for what
+tritonclient cannot send (BF16 as JSON numbers) and for the error bodies."""
 
 from __future__ import annotations
 
