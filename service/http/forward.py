@@ -34,21 +34,38 @@ def _error(status: int, code: str, message: str) -> tuple[int, list[tuple[bytes,
     return status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body
 
 
+class _ClientGone(ConnectionResetError):
+    """The client hung up: nobody reads an answer."""
+
+
 class _Body:
     """The request body: what was read ahead to route it, then the rest from ``receive``."""
 
     def __init__(self, receive: Callable[[], Awaitable[dict]]):
         self.receive, self.head, self.done = receive, bytearray(), False
+        self.finished = asyncio.Event()  # the whole body was read
+
+    def _end(self, message: dict) -> None:
+        if message["type"] == "http.disconnect":
+            raise _ClientGone("the client went away")
+        self.done = not message.get("more_body", False)
+        if self.done:
+            self.finished.set()
 
     async def read_more(self) -> bool:
         if self.done:
             return False
         message = await self.receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionResetError("the client went away")
+        self._end(message)
         self.head += message.get("body", b"")
-        self.done = not message.get("more_body", False)
         return True
+
+    async def gone(self) -> None:
+        """Return once the client hangs up (after the whole body was read: ``receive`` then gives
+        only the disconnect)."""
+        await self.finished.wait()
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
 
     async def read_all(self, limit: int) -> bytes:
         while await self.read_more():
@@ -61,9 +78,7 @@ class _Body:
             yield bytes(self.head)
         while not self.done:
             message = await self.receive()
-            if message["type"] == "http.disconnect":
-                raise ConnectionResetError("the client went away")
-            self.done = not message.get("more_body", False)
+            self._end(message)
             if message.get("body"):
                 yield message["body"]
 
@@ -168,6 +183,10 @@ class HTTPRouter:
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
             return await self._lifespan(scope, receive, send)
+        with contextlib.suppress(_ClientGone):  # hung up while its body was read: nobody reads an answer
+            await self._route(scope, receive, send)
+
+    async def _route(self, scope: dict, receive, send) -> None:
         path = scope.get("path", "")
         oip_infer = path.startswith("/v2/models/") and path.endswith("/infer") and scope.get("method") == "POST"
         if scope["type"] != "http" or self.peers is None or not (
@@ -236,12 +255,25 @@ class HTTPRouter:
             scope["method"], url.decode("latin-1"), headers=self._request_headers(scope),
             content=body.chunks() if has_body else None,
         )
+        sending = asyncio.ensure_future(self.client(target).send(request, stream=True))
+        gone = asyncio.ensure_future(body.gone()) if has_body else None
         try:
-            answer = await self.client(target).send(request, stream=True)
+            # a client that hangs up while the owner holds its call: the upstream connection is closed,
+            # so the owner sees it go too (a queued step is then withdrawn, never appended)
+            await asyncio.wait([t for t in (sending, gone) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                sending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, _ClientGone):
+                    await sending
+                return
+            answer = sending.result()
         except httpx.HTTPError as exc:
             return await self._send(send, _error(
                 503, "unavailable", f"this session lives on process {target} of {self.peers.count}, which did "
                 f"not take the call ({type(exc).__name__}: {exc}); retry"))
+        finally:
+            if gone is not None:
+                gone.cancel()
         try:
             headers = [(k.lower(), v) for k, v in answer.headers.raw if k.lower() not in DROP_FROM_ANSWER]
             headers.append((FORWARDED.encode(), f"{self.peers.index}->{target}".encode()))

@@ -178,6 +178,11 @@ class SessionManager:
         while True:
             await asyncio.sleep(period)
             for s in self.table.idle(time.monotonic()):
+                # each release waits for its worker's launches: a session of the list may since have
+                # been ended, re-created under its id, or stepped
+                if self.table.sessions.get(s.id) is not s or s.active \
+                        or time.monotonic() - s.last_used < self.settings.session_idle_s:
+                    continue
                 with contextlib.suppress(NotFound):
                     await self._release(s.id)
                     self.metrics.session_expired.inc()

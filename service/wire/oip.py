@@ -25,6 +25,7 @@ v required; parameter ``layers``, default 1), parameter ``layer`` picks the laye
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
@@ -331,9 +332,9 @@ async def infer(engine: Any, call: Call) -> dict[str, torch.Tensor]:
             engine.sessions.create(**call.create)  # 409 / ALREADY_EXISTS for a live id
             try:
                 res = await engine.sessions.step(call.request)
-            except Exception:  # a start that failed leaves no session behind (it may be retried)
+            except BaseException:  # a start that failed, or whose caller went away, leaves no session behind
                 with contextlib.suppress(NotFound):
-                    await engine.sessions.delete(call.create["session"])
+                    await asyncio.shield(engine.sessions.delete(call.create["session"]))
                 raise
         else:
             res = await engine.sessions.step(call.request)

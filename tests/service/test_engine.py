@@ -133,6 +133,71 @@ def test_sessions_alone_move_the_activity_the_idle_release_watches():
     asyncio.run(main())
 
 
+def test_an_expiry_sweep_ends_only_the_sessions_it_found_idle():
+    """The idle sweep lists the idle sessions, then ends them one by one, each release waiting for
+    its worker's launches: a session ended and re-created under the same id meanwhile (and stepped)
+    is a new session, not idle; the sweep once ended it by its id (its step then failed)."""
+    from service.sessions import SessionStep
+
+    async def main():
+        engine = Engine(load_settings(["--device", "cpu", "--warmup-shapes", "1x1x8x8", "--session-idle-s", "1"]))
+        await engine.start()
+        sessions = engine.sessions
+        try:
+            busy = asyncio.ensure_future(sessions.schedulers[0].run(lambda cache: time.sleep(2.5)))
+            for sid in ("a", "x"):
+                sessions.create(session=sid, num_kv_heads=2, head_dim=16, dtype="float32")
+            for _ in range(200):  # the sweep has begun: it took "a" and waits for its release
+                if "a" not in sessions.list()["sessions"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert "a" not in sessions.list()["sessions"] and not busy.done()
+            ended = asyncio.ensure_future(sessions.delete("x"))
+            await asyncio.sleep(0)
+            sessions.create(session="x", num_kv_heads=2, head_dim=16, dtype="float32")
+            step = asyncio.ensure_future(sessions.step(SessionStep.single("x", *qkv(nq=1, nk=1))))
+            await busy
+            await ended
+            result = await step
+            assert result.lengths == [1]
+            await asyncio.sleep(0.1)
+            assert "x" in sessions.list()["sessions"]
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
+def test_an_oip_sequence_start_whose_caller_goes_away_leaves_no_session():
+    """A sequence_start creates the session, then runs its step; a start that fails leaves no
+    session behind, and so does one whose caller goes away (the task cancelled, as a hang-up or a
+    gRPC deadline does) while its step is queued: a retried start then finds no 409."""
+    from service.wire import oip
+
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        try:
+            busy = asyncio.ensure_future(engine.sessions.schedulers[0].run(lambda cache: time.sleep(0.5)))
+            q, k, v = qkv(nq=2, nk=2)
+            call = oip.build_call(oip.find_model(engine, "attention", ""), {"q": q, "k": k, "v": v},
+                                  {"sequence_id": "seq", "sequence_start": True}, None,
+                                  request_id="r", deadline=time.monotonic() + 30)
+            start = asyncio.ensure_future(oip.infer(engine, call))
+            await asyncio.sleep(0.1)
+            assert "seq" in engine.sessions.list()["sessions"] and not start.done()  # queued behind busy
+            start.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await start
+            await busy
+            await asyncio.sleep(0.05)
+            assert "seq" not in engine.sessions.list()["sessions"]
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_ready_only_after_start_and_not_while_draining():
     async def main():
         engine = Engine(cpu_settings())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -276,3 +277,36 @@ def test_sessions_of_one_group_pack_together_from_any_process(server):
             assert len({routing.owner(n, 2) for n in names}) == 1 and len(set(names)) == 4, names
         finally:
             cache.close()
+
+
+def test_a_client_that_hangs_up_on_a_forwarded_call_harms_nothing(server):
+    """A client that hangs up mid-body on a call one process forwards to the other: nobody reads an
+    answer, so none is written and nothing is logged as an error (it once logged an ASGI traceback
+    for each); nothing is appended, and both processes keep serving. (A hang-up after the body, while
+    the owner holds the step, closes the forwarded connection too, so a queued step is withdrawn.)"""
+    import socket
+    from urllib.parse import urlsplit
+
+    sids = [f"hang{i}" for i in range(8)]  # owned by both processes: each accepting process forwards some
+    for sid in sids:
+        assert call("POST", f"{server.url}/sessions", json={"session": sid, "num_kv_heads": 2, "head_dim": 16,
+                                                            "dtype": "float32"}).status_code == 201
+    q, k, v = rand(1, 4, 3, 16, seed=1), rand(1, 2, 3, 16, seed=2), rand(1, 2, 3, 16, seed=3)
+    body = st.save({"q": q, "k": k, "v": v})
+    url = urlsplit(server.url)
+    for _ in range(2):
+        for sid in sids:
+            with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+                sock.sendall(b"POST /sessions/%s/attend HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/x-safetensors\r\nContent-Length: %d\r\n\r\n"
+                             % (sid.encode(), len(body)) + body[: len(body) // 2])
+                time.sleep(0.02)
+    time.sleep(0.5)
+    for sid in sids:
+        assert call("GET", f"{server.url}/sessions/{sid}").json()["lengths"] == [0]
+        r = call("POST", f"{server.url}/sessions/{sid}/attend", content=body,
+                 headers={"Content-Type": "application/x-safetensors"})
+        assert r.status_code == 200, r.text
+        assert call("DELETE", f"{server.url}/sessions/{sid}").status_code == 204
+    log = Path(server.log_path).read_text(errors="replace")
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
