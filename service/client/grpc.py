@@ -23,6 +23,7 @@ error type with the same fields, and the stream goes on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -162,18 +163,35 @@ class GrpcAttentionClient(SessionsMixin):
         ``retry_after_s``, as the same call on ``attention`` would raise). A failed call does not stop
         the others. Only a stream-level failure raises ``GrpcAttentionServiceError`` and ends the
         iteration: wrong API key, the stream's deadline (``timeout``, default the client's, bounds the
-        whole stream), server unreachable or going away."""
+        whole stream), server unreachable or going away. A call this client cannot even build (a
+        dtype the messages do not carry) is not sent: its outcome is that INVALID_ARGUMENT error."""
+        return self._stream(self._stub.AttendStream, attend_request, requests, timeout)
 
-        def messages():
+    def _stream(self, rpc, build, requests: Iterable[dict[str, Any]], timeout: float | None
+                ) -> Iterator[tuple[str, Result | GrpcAttentionServiceError]]:
+        """``rpc`` (a stream-stream method) over ``build(**item)`` of each item, as ``attention_stream``."""
+        refused: collections.deque = collections.deque()  # (request_id, error) of items not sent
+
+        def messages():  # (grpc's thread)
             for i, kwargs in enumerate(requests):
-                yield attend_request(**{"request_id": str(i), **kwargs})
+                kwargs = {"request_id": str(i), **kwargs}
+                try:
+                    with _building():
+                        message = build(**kwargs)
+                except GrpcAttentionServiceError as exc:
+                    refused.append((kwargs["request_id"], exc))
+                    continue
+                yield message
 
         try:
-            for resp in self._stub.AttendStream(messages(), timeout=timeout or self.timeout,
-                                                metadata=self._metadata):
+            for resp in rpc(messages(), timeout=timeout or self.timeout, metadata=self._metadata):
+                while refused:
+                    yield refused.popleft()
                 yield resp.request_id, _call_error(resp.error) if resp.HasField("error") else _result(resp)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+        while refused:
+            yield refused.popleft()
 
     def layers(self) -> list[dict[str, Any]]:
         """The loaded layers: name, family, hidden_size, num_heads, num_kv_heads, head_dim, dtype."""
@@ -220,17 +238,7 @@ class GrpcAttentionClient(SessionsMixin):
         ``session_attend_request``'s keyword arguments (sessions, q, k, v, q_lengths, layer, causal,
         ...); steps on the same (session, layer) take effect in the order sent. Yields
         ``(request_id, o | (o, lse) | GrpcAttentionServiceError)`` in completion order."""
-
-        def messages():
-            for i, kwargs in enumerate(requests):
-                yield session_attend_request(**{"request_id": str(i), **kwargs})
-
-        try:
-            for resp in self._stub.SessionAttendStream(messages(), timeout=timeout or self.timeout,
-                                                       metadata=self._metadata):
-                yield resp.request_id, _call_error(resp.error) if resp.HasField("error") else _result(resp)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        return self._stream(self._stub.SessionAttendStream, session_attend_request, requests, timeout)
 
     def _get_session(self, session: str, affinity: str) -> dict[str, Any]:
         return _session_info(self._call(self._stub.GetSession, pb.GetSessionRequest(session=session), affinity))

@@ -241,6 +241,13 @@ def test_client_side_mistakes_are_named(client, http, transport):
         with pytest.raises(GrpcAttentionServiceError) as err:
             client.attention(q.double(), k.double(), v.double())
         assert err.value.status == grpc.StatusCode.INVALID_ARGUMENT and "float16" in err.value.message
+        # in a stream, such a call is not sent and its outcome is that error; the others are answered
+        outcomes = dict(client.attention_stream([{"q": q, "k": k, "v": v}, {"q": q.double(), "k": k, "v": v},
+                                                 {"q": q, "k": k, "v": v, "request_id": "last"}]))
+        assert set(outcomes) == {"0", "1", "last"}
+        assert isinstance(outcomes["1"], GrpcAttentionServiceError) and outcomes["1"].code == "invalid_input"
+        torch.testing.assert_close(outcomes["0"], http.attention(q, k, v))
+        assert torch.equal(outcomes["0"], outcomes["last"])
 
 
 @pytest.fixture
