@@ -114,7 +114,11 @@ class SessionTable:
 
     def idle(self, now: float) -> list[Session]:
         """Sessions without a step for ``idle_s`` and none in progress."""
-        return [s for s in self.sessions.values() if s.active == 0 and now - s.last_used >= self.idle_s]
+        return [s for s in self.sessions.values() if self.still_idle(s, now)]
+
+    def still_idle(self, s: Session, now: float) -> bool:
+        """Whether ``s`` is the session its id names, without a step for ``idle_s`` and none in progress."""
+        return self.sessions.get(s.id) is s and s.active == 0 and now - s.last_used >= self.idle_s
 
 
 def kv_cache_bytes(settings: Any, worker: Any) -> int:
@@ -180,8 +184,7 @@ class SessionManager:
             for s in self.table.idle(time.monotonic()):
                 # each release waits for its worker's launches: a session of the list may since have
                 # been ended, re-created under its id, or stepped
-                if self.table.sessions.get(s.id) is not s or s.active \
-                        or time.monotonic() - s.last_used < self.settings.session_idle_s:
+                if not self.table.still_idle(s, time.monotonic()):
                     continue
                 with contextlib.suppress(NotFound):
                     await self._release(s.id)
