@@ -2,7 +2,7 @@
 loop of small calls; the server process's CPU time per call and the calls per second.
 
     python -m bench.host_cost                          # starts both servers itself, on the CPU
-    python -m bench.host_cost --transports http,grpc,step --threads 8 --seconds 5 --rounds 6
+    python -m bench.host_cost --transports http,grpc,step,packed --threads 8 --seconds 5 --rounds 6
     python -m bench.host_cost --baseline /tmp/old      # also a server from another checkout, rounds alternating
     python -m bench.host_cost --serve -- --device cpu --http-port 18100   # only the server (kernels empty)
 
@@ -11,7 +11,10 @@ decoding, batching, staging, copies, answering): the quantity issue 32's per-pro
 about, measurable on a machine without a GPU. Rows:
   http  POST /attention, 1x8x128x64 fp16 safetensors, over keep-alive connections;
   grpc  Attend with the same tensors, one channel a thread;
-  step  SessionAttend: one token of one session (Hq 32, Hkv 8, D 128, bf16) a call, a session a thread.
+  step  SessionAttend: one token of one session (Hq 32, Hkv 8, D 128, bf16) a call, a session a thread;
+  packed  POST /sessions/attend: one token of each of 64 sessions (as step) a call, over keep-alive
+        connections; a thread's sessions end every 256 calls (``end`` on the last step) and start
+        again, so the 64 creations a thread makes per 256 calls count in its CPU time.
 ``--baseline DIR`` starts a second server from the checkout DIR (e.g. ``git worktree add DIR REV``)
 and alternates rounds between the two, so both see the same machine load. CPU time is the server
 process's user + system time (``/proc/PID/stat``) over the round, divided by the calls answered.
@@ -32,7 +35,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TRANSPORTS = ("http", "grpc", "step")
+TRANSPORTS = ("http", "grpc", "step", "packed")
+PACKED_SESSIONS = 64  # a packed row's sessions a thread, one token each a call
+PACKED_CALLS = 256  # calls before a thread's sessions end (their last step's ``end``) and start again
 SMALL = (1, 8, 128, 64)
 
 
@@ -70,7 +75,8 @@ class Server:
         env = {**os.environ, "PYTHONPATH": str(root)}
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", "--", "--device", "cpu", "--http-port", str(self.http),
-             "--grpc-port", str(self.grpc), "--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32"],
+             "--grpc-port", str(self.grpc), "--warmup-shapes", "1x1x16x16", "--warmup-dtypes", "float32",
+             "--kv-cache-mb", "1024"],
             cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import httpx
 
@@ -116,6 +122,8 @@ def _caller(transport: str, server: Server, seed: int):
                 raise RuntimeError(f"HTTP {r.status}")
 
         return call
+    if transport == "packed":
+        return _packed_caller(server, g)
     from service.client.grpc import GrpcAttentionClient
 
     client = GrpcAttentionClient(f"127.0.0.1:{server.grpc}")
@@ -125,6 +133,49 @@ def _caller(transport: str, server: Server, seed: int):
     session = client.create_session(8, 128, torch.bfloat16)
     q, k, v = (torch.randn(1, h, 1, 128, generator=g).bfloat16() for h in (32, 8, 8))
     return lambda: client.step(session, q, k, v)
+
+
+def _packed_caller(server: Server, g: torch.Generator):
+    """A thread's packed steps over its own sessions (see the module's docstring)."""
+    import http.client
+    import json
+
+    import safetensors.torch as st
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.http)
+    n = PACKED_SESSIONS
+    tensors = {name: torch.randn(n, h, 128, generator=g).bfloat16() for name, h in (("q", 32), ("k", 8), ("v", 8))}
+    tensors["q_lengths"] = torch.ones(n, dtype=torch.int32)
+    state = {"calls": PACKED_CALLS, "body": b"", "last": b"", "ids": []}
+
+    def post(path: str, body: bytes, content_type: str) -> bytes:
+        conn.request("POST", path, body, {"Content-Type": content_type})
+        r = conn.getresponse()
+        data = r.read()
+        if r.status not in (200, 201):
+            raise RuntimeError(f"HTTP {r.status} from {path}: {data[:200]!r}")
+        return data
+
+    def call():
+        if state["calls"] == PACKED_CALLS:
+            create = json.dumps({"layers": 1, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}).encode()
+            state["ids"] = [json.loads(post("/sessions", create, "application/json"))["session"] for _ in range(n)]
+            meta = {"sessions": ",".join(state["ids"])}
+            state["body"] = st.save(tensors, metadata=meta)
+            state["last"] = st.save(tensors, metadata={**meta, "end": "true"})
+            state["calls"] = 0
+        state["calls"] += 1
+        post("/sessions/attend", state["last"] if state["calls"] == PACKED_CALLS else state["body"],
+             "application/x-safetensors")
+
+    def close():  # the round is over: its sessions end (those ended already answer 404)
+        if state["calls"] < PACKED_CALLS:
+            for sid in state["ids"]:
+                conn.request("DELETE", f"/sessions/{sid}")
+                conn.getresponse().read()
+
+    call.close = close
+    return call
 
 
 def round_(transport: str, server: Server, threads: int, seconds: float) -> tuple[float, float]:
@@ -154,6 +205,8 @@ def round_(transport: str, server: Server, threads: int, seconds: float) -> tupl
     stop.set()
     for w in workers:
         w.join(60)
+    for c in callers:
+        getattr(c, "close", lambda: None)()
     if errors:
         raise errors[0]
     return (n1 - n0) / (t1 - t0), 1e3 * (c1 - c0) / max(1, n1 - n0)
@@ -162,7 +215,7 @@ def round_(transport: str, server: Server, threads: int, seconds: float) -> tupl
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", action="store_true", help="only run a server with empty kernels (its options after --)")
-    ap.add_argument("--transports", default="http,grpc,step", help=f"of {','.join(TRANSPORTS)}")
+    ap.add_argument("--transports", default=",".join(TRANSPORTS), help=f"of {','.join(TRANSPORTS)}")
     ap.add_argument("--threads", type=int, default=8, help="client threads (closed loops) a round")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds a round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds a server and transport (medians reported)")

@@ -15,6 +15,6 @@ def test_host_cost_measures_every_transport():
                           "--threads", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = re.findall(r"^\| (\w+) \| this checkout \| ([\d,]+) \(.*\) \| ([\d.]+) \(", out.stdout, re.M)
-    assert [r[0] for r in rows] == ["http", "grpc", "step"], out.stdout
+    assert [r[0] for r in rows] == ["http", "grpc", "step", "packed"], out.stdout
     for _, rate, cpu in rows:
         assert int(rate.replace(",", "")) > 0 and float(cpu) > 0, out.stdout
