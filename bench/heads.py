@@ -144,23 +144,27 @@ def write_heads_report(out_dir: Path, rows, meta, seconds: float) -> str:
 TILE_CHOICES = {64: [(128, False, 232), (64, False, 232)],
                 128: [(128, False, 232), (64, False, 232)],
                 256: [(64, True, 240), (64, True, 232), (32, False, 240), (32, True, 240)]}
-TILE_SHAPES = [("bfloat16", 1, 16, 16, 4096, 4096, 256, True), ("bfloat16", 1, 16, 16, 4096, 4096, 256, False),
+TILE_SHAPES = [("bfloat16", 1, 32, 32, 4096, 4096, 128, False), ("bfloat16", 1, 16, 16, 8192, 8192, 128, True),
+               ("bfloat16", 1, 16, 16, 4096, 4096, 256, True), ("bfloat16", 1, 16, 16, 4096, 4096, 256, False),
                ("bfloat16", 2, 16, 16, 4096, 4096, 192, True), ("bfloat16", 4, 16, 16, 2048, 2048, 96, False),
                ("bfloat16", 4, 32, 32, 4096, 4096, 64, True), ("bfloat16", 4, 32, 32, 4096, 4096, 64, False)]
 
 
 def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
-    """Each of ``TILE_CHOICES`` in turn for the shapes' tile D, beside the shipped dispatch
-    (``shipped``: for D 64 the Triton kernels), TFLOP/s as ``bench_heads``'."""
+    """Each of ``TILE_CHOICES`` in turn for the shapes' tile D, with and without its consumers taking
+    turns (``hopper.GLUON_PINGPONG``), beside the shipped dispatch (``shipped``: for D 64 the Triton
+    kernels), TFLOP/s as ``bench_heads``'."""
     from kernels import hopper
 
     results = []
-    kept, kept_min_d = dict(hopper.GLUON_TILES), hopper.GLUON_MIN_D
+    kept, kept_min_d, kept_pingpong = dict(hopper.GLUON_TILES), hopper.GLUON_MIN_D, set(hopper.GLUON_PINGPONG)
 
     def restore() -> None:
         hopper.GLUON_TILES.clear()
         hopper.GLUON_TILES.update(kept)
         hopper.GLUON_MIN_D = kept_min_d
+        hopper.GLUON_PINGPONG.clear()
+        hopper.GLUON_PINGPONG.update(kept_pingpong)
         hopper._recipes.clear()
 
     try:
@@ -175,10 +179,15 @@ def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
             row["shipped"] = round(flops / ms / 1e9)
             hopper.GLUON_MIN_D = min(kept_min_d, box)
             for tile in TILE_CHOICES[box]:
-                hopper.GLUON_TILES[box] = tile
-                hopper._recipes.clear()
-                ms, _, _ = timed(_fn("flash", n_q, n_k), sets, causal, rep=rep)
-                row["{}/{}/r{}".format(tile[0], "O in Q" if tile[1] else "O apart", tile[2])] = round(flops / ms / 1e9)
+                for pingpong in (False, True):
+                    hopper.GLUON_TILES[box] = tile
+                    hopper.GLUON_PINGPONG.clear()
+                    hopper.GLUON_PINGPONG.update({box} if pingpong else set())
+                    hopper._recipes.clear()
+                    ms, _, _ = timed(_fn("flash", n_q, n_k), sets, causal, rep=rep)
+                    name = "{}/{}/r{}{}".format(tile[0], "O in Q" if tile[1] else "O apart", tile[2],
+                                                " pingpong" if pingpong else "")
+                    row[name] = round(flops / ms / 1e9)
             log("  tiles " + ", ".join(f"{k}={v}" for k, v in row.items()))
             results.append(row)
             del sets

@@ -41,6 +41,9 @@ GLUON_MIN_D = 72  # from D 64 down, attn_fwd_tma (D 64) and attn_fwd are as fast
 # head dims whose tile runs its products over the head dim alone (attn_fwd_ws's SPLIT, ``split_cols``),
 # not over the tile's columns of zeros too (docs/benchmarks/kernels.md#head-dims)
 GLUON_SPLIT_DIMS: frozenset[int] = frozenset({80, 96, 144, 160, 192})
+# tile Ds whose two consumer warpgroups take turns issuing their GEMMs (attn_fwd_ws's PINGPONG, FA3's
+# scheduler barrier); `python -m bench.heads --tiles` times each tile with and without
+GLUON_PINGPONG: set[int] = set()
 _GLUON_BLOCK_N = GLUON_TILES[128][0]
 _BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -380,7 +383,8 @@ def _gluon_launch(q, k, v, o, lse, kv_len, has_kv_len: bool, scale: float, causa
     programs = tiles if causal else min(tiles, _num_sms(q.device))
     return (programs,), args, dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=bool(causal), CONSUMER_REGS=regs,
                                    O_IN_Q=o_in_q, WINDOW=masks.window, SOFTCAP=masks.softcap > 0,
-                                   ALIBI=masks.alibi is not None, SPLIT=split_cols(d))
+                                   ALIBI=masks.alibi is not None, SPLIT=split_cols(d),
+                                   PINGPONG=box in GLUON_PINGPONG)
 
 
 class _GluonRecipe:

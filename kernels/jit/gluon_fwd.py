@@ -174,14 +174,16 @@ def _zero_rows_from(tile, valid):
 def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, n_blocks, first_key, kv_len, diag,
             qk_scale, win_left, win_right, cap, slope, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, RELEASE_Q: gl.constexpr, ZERO_TAIL: gl.constexpr,
-            SPLIT: gl.constexpr = 0):
+            SPLIT: gl.constexpr = 0, PINGPONG: gl.constexpr = False, turn=None, wg=0, turns=0):
     """One warpgroup's rows (q, (ROWS, D) in shared memory) against a tile's n_blocks key blocks
     from key first_key, the blocks counted from ``it`` in the two-stage ring; -> (acc (ROWS, D),
     acc_hi, m_i, l_i), acc not yet divided by l_i. RELEASE_Q: arrive on q_empty once every S is done (the
     next tile's Q may come in). ZERO_TAIL: V rows at or past kv_len in the last block are zeroed
     before P V (``_zero_rows_from``). SPLIT (> 0: the head dim is half the tile D plus SPLIT):
     both products run over the tile's first half and the SPLIT columns after it, as two GEMMs
-    each, and acc is (ROWS, D / 2) with acc_hi (ROWS, SPLIT) the rest; else acc_hi is unused."""
+    each, and acc is (ROWS, D / 2) with acc_hi (ROWS, SPLIT) the rest; else acc_hi is unused.
+    PINGPONG: the two warpgroups take turns issuing their GEMMs (``_turn``), ``turns`` being this
+    warpgroup's issues before this tile (a tile of n blocks issues n + 1 times)."""
     ROWS: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = _lo_cols(q.shape[1], SPLIT)
@@ -205,7 +207,9 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
         st = it % 2
         mbarrier.wait(k_ready.index(st), phase=(it // 2) & 1)
         s = gl.zeros([ROWS, BLOCK_N], dtype=gl.float32, layout=s_layout)
+        _turn(turn, wg, turns, PINGPONG)
         s = _qk(q, k_smem.index(st), s, SPLIT)
+        _turn_over(turn, wg, PINGPONG)
         s = _scores(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), qk_scale, first_key, kv_len, diag,
                     win_left, win_right, cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
         mbarrier.arrive(k_empty.index(st))
@@ -218,16 +222,24 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             prev = 1 - stage
             # S_j first, then P_{j-1} V_{j-1}: the softmax of S_j runs while the second is in flight
             mbarrier.wait(k_ready.index(stage), phase=(c // 2) & 1)
-            s = _qk(q, k_smem.index(stage), s, SPLIT)
-            mbarrier.wait(v_ready.index(prev), phase=((c - 1) // 2) & 1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            if PINGPONG:  # both products issued in one turn: P_{j-1} ready before it
+                mbarrier.wait(v_ready.index(prev), phase=((c - 1) // 2) & 1)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                _turn(turn, wg, turns + j, PINGPONG)
+                s = _qk(q, k_smem.index(stage), s, SPLIT)
+            else:
+                s = _qk(q, k_smem.index(stage), s, SPLIT)
+                mbarrier.wait(v_ready.index(prev), phase=((c - 1) // 2) & 1)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
             if SPLIT:
                 p16_hi = gl.convert_layout(p16, p_hi_layout)
                 acc = warpgroup_mma(p16, v_smem.index(prev).slice(0, D, dim=1), acc, is_async=True)
                 acc_hi = warpgroup_mma(p16_hi, v_smem.index(prev).slice(D, HI, dim=1), acc_hi, is_async=True)
+                _turn_over(turn, wg, PINGPONG)
                 s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
             else:
                 acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+                _turn_over(turn, wg, PINGPONG)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may run on
             s = _scores(s, qk_scale, first_key + j * BLOCK_N, kv_len, diag, win_left, win_right, cap, slope,
                         IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
@@ -255,16 +267,36 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
             if tail + BLOCK_N > kv_len:
                 _zero_rows_from(v_smem.index(last), kv_len - tail)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
+        _turn(turn, wg, turns + n_blocks, PINGPONG)
         if SPLIT:
             p16_hi = gl.convert_layout(p16, p_hi_layout)
             acc = warpgroup_mma(p16, v_smem.index(last).slice(0, D, dim=1), acc, is_async=True)
             acc_hi = warpgroup_mma(p16_hi, v_smem.index(last).slice(D, HI, dim=1), acc_hi, is_async=True)
+            _turn_over(turn, wg, PINGPONG)
             acc, acc_hi, p16, p16_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi, p16, p16_hi))
         else:
             acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+            _turn_over(turn, wg, PINGPONG)
             acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(last))
     return acc, acc_hi, m_i, l_i
+
+
+@gluon.jit
+def _turn(turn, wg, k, PINGPONG: gl.constexpr):
+    """PINGPONG: wait until the other warpgroup has issued its GEMMs of the turn before this
+    warpgroup's k-th (FA3's scheduler barrier): the tensor cores then run one warpgroup's products
+    while the other runs its softmax. Warpgroup 0 goes first: its k-th issue follows the other's
+    (k - 1)-th, warpgroup 1's k-th follows warpgroup 0's k-th."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(wg), phase=(k + wg - 1) & 1, pred=k + wg > 0)
+
+
+@gluon.jit
+def _turn_over(turn, wg, PINGPONG: gl.constexpr):
+    """PINGPONG: this warpgroup's GEMMs of the turn are issued: the other's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - wg))
 
 
 @gluon.constexpr_function
@@ -299,7 +331,7 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
               LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
               cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN: gl.constexpr, IS_CAUSAL: gl.constexpr,
               O_IN_Q: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, PINGPONG: gl.constexpr, turn):
     """One warpgroup: its 64 rows of each of the program's tiles against the tile's key blocks."""
     ROWS: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -315,6 +347,7 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
     n_tiles = gl.cdiv(N_Q, 2 * ROWS) * N_HEADS
     it = 0  # key blocks consumed so far: block it sits in stage it % 2, in that stage's (it // 2)-th fill
     qc = 0  # Q tiles consumed so far
+    turns = 0  # GEMM issues so far (PINGPONG)
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         pid_bh, b, h, kvh, row0, kv_len, first, n_blocks = _work(
             t, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right, 2 * ROWS, BLOCK_N,
@@ -327,7 +360,9 @@ def _consumer(wg, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_rea
         slope = _slope(SLOPES, b, h, stride_as, stride_ah, ALIBI)
         acc, acc_hi, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(wg),
                                         it, n_blocks, first * BLOCK_N, kv_len, diag, qk_scale, win_left, win_right,
-                                        cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI, not O_IN_Q, False, SPLIT)
+                                        cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI, not O_IN_Q, False, SPLIT,
+                                        PINGPONG, turn, wg, turns)
+        turns += gl.where(n_blocks > 0, n_blocks + 1, 0)
         it += n_blocks
         if loads_q:
             qc += 1
@@ -430,6 +465,7 @@ def attn_fwd_ws(
     SOFTCAP: gl.constexpr = False,  # scores capped: softcap · tanh(S / softcap)
     ALIBI: gl.constexpr = False,  # scores biased by -slope · |i + N_K - N_Q - j|
     SPLIT: gl.constexpr = 0,     # > 0: the head dim is D / 2 + SPLIT, the products run over it alone
+    PINGPONG: gl.constexpr = False,  # the consumers take turns issuing their GEMMs (``_turn``)
 ):
     """Prefill; a tile = 128 query rows of one (batch, head). Grid (programs,): program p takes
     tiles p, p + programs, ... in ``_work``'s order; the launcher gives min(tiles, SMs) programs
@@ -456,7 +492,9 @@ def attn_fwd_ws(
     v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)  # the other consumer warpgroup's issue
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)  # its own consumer warpgroup
         mbarrier.init(k_ready.index(i), count=1)
@@ -467,11 +505,11 @@ def attn_fwd_ws(
         (_consumer, (0, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
                      LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
                      cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI,
-                     SPLIT)),
+                     SPLIT, PINGPONG, turn)),
         (_consumer, (1, q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, desc_o,
                      LSE, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, qk_scale, win_left, win_right,
                      cap, SLOPES, stride_as, stride_ah, HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW, SOFTCAP, ALIBI,
-                     SPLIT)),
+                     SPLIT, PINGPONG, turn)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
                      v_empty, KV_LEN, H_Q, GROUP, N_Q, N_K, N_HEADS, HEADS_PER_GROUP, win_left, win_right,
                      HAS_KV_LEN, IS_CAUSAL, O_IN_Q, WINDOW)),

@@ -183,6 +183,7 @@ from kernels import hopper
 dtype, has_kv_len, causal, d = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
 window, softcap, alibi = sys.argv[5] == "1", sys.argv[6] == "1", sys.argv[7] == "1"
 split = int(sys.argv[8]) if len(sys.argv) > 8 else 0
+pingpong = len(sys.argv) > 9 and sys.argv[9] == "1"
 fn = kg.attn_fwd_ws
 t = torch.empty(1, 1, 128, d, dtype=dict(fp16=torch.float16, bf16=torch.bfloat16)[dtype])
 box = hopper.gluon_box(d)
@@ -193,7 +194,7 @@ for name, rows in dict(desc_q=64, desc_k=block_n, desc_v=block_n, desc_o=64).ite
 sig.update(LSE="*fp32", KV_LEN="*i32", qk_scale="fp32", cap="fp32", SLOPES="*fp32")
 consts = {}
 for name, value in dict(HAS_KV_LEN=has_kv_len, IS_CAUSAL=causal, CONSUMER_REGS=regs, O_IN_Q=o_in_q,
-                        WINDOW=window, SOFTCAP=softcap, ALIBI=alibi, SPLIT=split).items():
+                        WINDOW=window, SOFTCAP=softcap, ALIBI=alibi, SPLIT=split, PINGPONG=pingpong).items():
     sig[name] = "constexpr"
     consts[(fn.arg_names.index(name),)] = value
 compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={}),
@@ -204,21 +205,26 @@ print(compiled.metadata.shared, all(op in ptx for op in ops))
 """
 
 
-@pytest.mark.parametrize("dtype,has_kv_len,causal,d,window,softcap,alibi,split", [
-    ("fp16", False, False, 128, False, False, False, False), ("bf16", True, False, 128, False, False, False, False),
-    ("fp16", True, True, 128, False, False, False, False), ("bf16", False, True, 128, False, False, False, False),
-    ("bf16", True, True, 96, False, False, False, False), ("fp16", False, False, 256, False, False, False, False),
-    ("bf16", True, True, 192, False, False, False, False), ("bf16", False, True, 128, True, True, False, False),
-    ("fp16", True, False, 256, True, False, False, False), ("bf16", False, True, 128, False, False, True, False),
-    ("fp16", True, False, 256, True, True, True, False), ("bf16", True, True, 192, False, False, False, 64),
-    ("fp16", False, False, 192, True, True, True, 64), ("bf16", False, True, 96, False, False, False, 32),
-    ("fp16", True, False, 80, True, True, True, 16), ("bf16", True, False, 160, False, False, False, 32)])
-def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, alibi, split, tmp_path):
+@pytest.mark.parametrize("dtype,has_kv_len,causal,d,window,softcap,alibi,split,pingpong", [
+    ("fp16", False, False, 128, False, False, False, 0, False),
+    ("bf16", True, False, 128, False, False, False, 0, False),
+    ("fp16", True, True, 128, False, False, False, 0, False), ("bf16", False, True, 128, False, False, False, 0, False),
+    ("bf16", True, True, 96, False, False, False, 0, False), ("fp16", False, False, 256, False, False, False, 0, False),
+    ("bf16", True, True, 192, False, False, False, 0, False), ("bf16", False, True, 128, True, True, False, 0, False),
+    ("fp16", True, False, 256, True, False, False, 0, False), ("bf16", False, True, 128, False, False, True, 0, False),
+    ("fp16", True, False, 256, True, True, True, 0, False), ("bf16", True, True, 192, False, False, False, 64, False),
+    ("fp16", False, False, 192, True, True, True, 64, False), ("bf16", False, True, 96, False, False, False, 32, False),
+    ("fp16", True, False, 80, True, True, True, 16, False), ("bf16", True, False, 160, False, False, False, 32, False),
+    ("bf16", False, False, 128, False, False, False, 0, True), ("fp16", True, True, 128, True, True, True, 0, True),
+    ("bf16", False, True, 192, False, False, False, 64, True),
+    ("bf16", True, False, 256, False, False, False, 0, True)])
+def test_gluon_kernel_compiles_for_hopper(dtype, has_kv_len, causal, d, window, softcap, alibi, split, pingpong,
+                                          tmp_path):
     """Compiled for sm_90 with Triton's own ptxas, no GPU needed, at each tile D (96 pads to 128,
     192 to 256, or with SPLIT runs its products over the head dim alone), with and without a
-    window, softcap and ALiBi slopes (within the register budget)."""
+    window, softcap and ALiBi slopes, and with the consumers taking turns (within the register budget)."""
     argv = [dtype, str(int(has_kv_len)), str(int(causal)), str(d), str(int(window)), str(int(softcap)),
-            str(int(alibi)), str(int(split))]
+            str(int(alibi)), str(int(split)), str(int(pingpong))]
     shared, has_ops = _compile_for_sm90(_GLUON_COMPILE, argv, tmp_path)
     assert has_ops == "True", "expected wgmma, 4-D TMA copies and setmaxnreg in the PTX"
     assert int(shared) <= 227 * 1024  # an H200 SM's shared memory per block
@@ -759,6 +765,32 @@ def test_gpu_gluon_kernel_split(name, dtype, poisoned_empty, monkeypatch):
     case = SPLIT_CASES[name]
     assert hopper.split_cols(case[5]) > 0
     q, k, v, causal, scale, kvl = make(case, dtype, "cuda")
+    o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
+    assert ran
+    check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
+
+
+PINGPONG_CASES = {**{name: GLUON_CASES[name] for name in (
+    "ragged_gqa", "empty_row", "one_partial_block", "long_kv", "causal_nq_gt_nk", "causal_kv_lengths", "many_tiles",
+    "many_tiles_causal", "d256_many_tiles", "d256_many_tiles_causal")},
+    "d64_many_tiles": (3, 16, 4, 1100, 2100, 64, False, [2100, 0, 999]),
+    "d64_causal_kv_lengths": (3, 4, 2, 700, 700, 64, True, [700, 333, 0])}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(PINGPONG_CASES))
+def test_gpu_gluon_kernel_pingpong(name, dtype, poisoned_empty, monkeypatch):
+    """attn_fwd_ws with its consumers taking turns (PINGPONG, every tile D switched on, a tile of 64
+    included) against the float64 reference: the turns stay in step over tiles of different lengths,
+    tiles with no key and the phases' wrap."""
+    monkeypatch.setattr(hopper, "GLUON_PINGPONG", {64, 128, 256})
+    monkeypatch.setattr(hopper, "GLUON_TILES", {64: (128, False, 232), **hopper.GLUON_TILES})
+    monkeypatch.setattr(hopper, "GLUON_MIN_D", 64)
+    monkeypatch.setattr(hopper, "_recipes", {})
+    ran = _spy(monkeypatch, "_forward_gluon")
+    q, k, v, causal, scale, kvl = make(PINGPONG_CASES[name], dtype, "cuda")
     o, lse = flash_forward(q, k, v, causal=causal, scale=scale, kv_lengths=kvl, tma=True)
     assert ran
     check_against_reference(o, lse, q, k, v, causal, scale, kvl, abs_slack=2e-3)
