@@ -33,7 +33,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client.http import AttentionServiceError
-from service.client.sessions import SessionsMixin, q_lengths_tensor
+from service.client.sessions import SessionsMixin, checked_affinity, q_lengths_tensor, session_ids
 from service.errors import ServiceError
 from service.grpc import codec as grpc_codec
 from service.grpc.protogen import attention_stubs
@@ -112,7 +112,7 @@ class GrpcAttentionClient(SessionsMixin):
         """``session_affinity``: the x-attnserve-session metadata of every session call (default:
         the call's session id; service.client.sessions.SessionsMixin)."""
         self.timeout = timeout
-        self.session_affinity = session_affinity
+        self.session_affinity = checked_affinity(session_affinity)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_send_message_length", UNLIMITED),
@@ -181,6 +181,10 @@ class GrpcAttentionClient(SessionsMixin):
                 except GrpcAttentionServiceError as exc:
                     refused.append((kwargs["request_id"], exc))
                     continue
+                except (TypeError, ValueError) as exc:  # a bad item (a misspelt option, a wrong type)
+                    refused.append((kwargs["request_id"], GrpcAttentionServiceError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "bad_request", f"item {i} was not sent: {exc}", None)))
+                    continue
                 yield message
 
         try:
@@ -219,10 +223,21 @@ class GrpcAttentionClient(SessionsMixin):
 
     # ---- sessions (docs/api.md#sessions; the shared logic: service.client.sessions) ----------------------
 
-    def _create_session(self, fields: dict[str, Any], affinity: str) -> dict[str, Any]:
-        req = pb.CreateSessionRequest(session=fields["session"] or "", layers=fields["layers"],
-                                      num_kv_heads=fields["num_kv_heads"], head_dim=fields["head_dim"],
-                                      dtype=grpc_codec.dtype_to_pb(fields["dtype"]))
+    def _create_session(self, fields: dict[str, Any], affinity: str | None) -> dict[str, Any]:
+        # the message cannot say what the server would refuse: dtype and layers left unset mean
+        # float16 and 1, so an unknown dtype or layers < 1 is refused here, as the server words it
+        dtype, layers = grpc_codec.dtype_to_pb(fields["dtype"]), fields["layers"]
+        if dtype == pb.DTYPE_UNSPECIFIED:
+            raise GrpcAttentionServiceError(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input",
+                                            f"dtype {fields['dtype']!r} is not supported; choose float16, bfloat16 or "
+                                            "float32", None)
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
+            raise GrpcAttentionServiceError(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input",
+                                            f"layers must be at least 1, got {layers}", None)
+        with _building():
+            req = pb.CreateSessionRequest(session=fields["session"] or "", layers=layers,
+                                          num_kv_heads=fields["num_kv_heads"], head_dim=fields["head_dim"],
+                                          dtype=dtype)
         return _session_info(self._call(self._stub.CreateSession, req, affinity))
 
     def _session_step(self, sessions: list[str], tensors: dict[str, torch.Tensor | None], options: dict[str, Any],
@@ -247,7 +262,7 @@ class GrpcAttentionClient(SessionsMixin):
         self._call(self._stub.DeleteSession, pb.DeleteSessionRequest(session=session), affinity)
 
 
-def session_attend_request(sessions: list[str] | str, q: torch.Tensor, k: torch.Tensor | None = None,
+def session_attend_request(sessions: Any, q: torch.Tensor, k: torch.Tensor | None = None,
                            v: torch.Tensor | None = None, q_lengths: Any = None, layer: int = 0,
                            causal: bool = True, scale: float | None = None, return_lse: bool = False,
                            end: bool = False, layout: str = "bhnd", request_id: str = "",
@@ -255,7 +270,7 @@ def session_attend_request(sessions: list[str] | str, q: torch.Tensor, k: torch.
                            alibi_slopes: torch.Tensor | None = None):
     """The SessionAttendRequest message of one step (one session, 4-D q) or packed step (q_lengths)."""
     msg = pb.SessionAttendRequest(
-        sessions=[sessions] if isinstance(sessions, str) else [str(s) for s in sessions], layer=layer,
+        sessions=session_ids(sessions), layer=layer,
         causal=causal, scale=scale, return_lse=return_lse, end=end, request_id=request_id,
         layout="" if q_lengths is not None else layout, **_masks(window_size, softcap),
     )

@@ -13,12 +13,16 @@ safetensors (the fast path).
 
 Errors raise ``AttentionServiceError`` carrying the HTTP ``status``, the service's ``code`` and its
 ``message`` (and ``retry_after_s`` on 429); a 200 that is not a safetensors file gives ``bad_answer``.
+A call that gets no answer raises it too, as a gateway would answer (and as ``GrpcAttentionClient``
+raises): 503 ``unavailable`` (no connection, or one cut mid-answer), 504 ``deadline_exceeded`` (the
+client's ``timeout``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -26,7 +30,7 @@ import orjson
 import torch
 import urllib3
 
-from service.client.sessions import SessionsMixin
+from service.client.sessions import SessionsMixin, checked_affinity
 from service.errors import ServiceError
 from service.wire import SESSION_HEADER
 from service.wire.tensors import parse_safetensors, safetensors_parts, uninitialized_bytearray
@@ -73,6 +77,24 @@ def _read_body(r: urllib3.BaseHTTPResponse) -> bytearray:
     return buf
 
 
+@contextlib.contextmanager
+def _reaching(base: str) -> Iterator[None]:
+    """urllib3's errors of a call that got no answer -> AttentionServiceError (503 / 504)."""
+    try:
+        yield
+    except urllib3.exceptions.NewConnectionError as exc:  # (a ConnectTimeoutError in urllib3 2)
+        raise AttentionServiceError(503, "unavailable", f"could not connect to {base}: {exc}") from exc
+    except urllib3.exceptions.TimeoutError as exc:
+        raise AttentionServiceError(504, "deadline_exceeded",
+                                    f"no answer from {base} within the client's timeout: {exc}") from exc
+    except urllib3.exceptions.HTTPError as exc:
+        raise AttentionServiceError(503, "unavailable", f"no answer from {base}: {exc}") from exc
+
+
+def _affinity_header(affinity: str | None) -> dict[str, str]:
+    return {} if affinity is None else {SESSION_HEADER: affinity}
+
+
 def _bool(value: bool) -> str:
     return "true" if value else "false"
 
@@ -106,7 +128,7 @@ class AttentionClient(SessionsMixin):
     ):
         """``session_affinity``: the x-attnserve-session header of every session call (default:
         the call's session id; service.client.sessions.SessionsMixin)."""
-        self.session_affinity = session_affinity
+        self.session_affinity = checked_affinity(session_affinity)
         headers = {"X-API-Key": api_key} if api_key else {}
         if request_timeout_ms is not None:
             headers["X-Request-Timeout-Ms"] = str(request_timeout_ms)
@@ -129,28 +151,29 @@ class AttentionClient(SessionsMixin):
         headers: dict[str, str] | None = None,
     ) -> dict[str, torch.Tensor]:
         parts = _parts(tensors)
-        r = self._http.request(
-            "POST",
-            f"{self._base}{path}?{urlencode(params)}",
-            body=parts,
-            headers={
-                **self._http.headers,
-                **(headers or {}),
-                "Content-Type": SAFETENSORS,
-                "Content-Length": str(sum(len(p) for p in parts)),  # sent as is, not chunked
-            },
-            preload_content=False,
-        )
-        try:
-            self._raise_for_error(r)  # an error answer is read whole: the connection stays usable
-            body = _read_body(r)
-        except AttentionServiceError:
-            raise
-        except BaseException:
-            r.close()  # what is left of the answer must not stay on a pooled connection
-            raise
-        finally:
-            r.release_conn()
+        with _reaching(self._base):
+            r = self._http.request(
+                "POST",
+                f"{self._base}{path}?{urlencode(params)}",
+                body=parts,
+                headers={
+                    **self._http.headers,
+                    **(headers or {}),
+                    "Content-Type": SAFETENSORS,
+                    "Content-Length": str(sum(len(p) for p in parts)),  # sent as is, not chunked
+                },
+                preload_content=False,
+            )
+            try:
+                self._raise_for_error(r)  # an error answer is read whole: the connection stays usable
+                body = _read_body(r)
+            except AttentionServiceError:
+                raise
+            except BaseException:
+                r.close()  # what is left of the answer must not stay on a pooled connection
+                raise
+            finally:
+                r.release_conn()
         try:
             return parse_safetensors(body)[0]
         except ServiceError as exc:
@@ -158,7 +181,8 @@ class AttentionClient(SessionsMixin):
             raise AttentionServiceError(r.status, "bad_answer", message) from None
 
     def _get(self, path: str) -> urllib3.BaseHTTPResponse:
-        return self._http.request("GET", f"{self._base}{path}")
+        with _reaching(self._base):
+            return self._http.request("GET", f"{self._base}{path}")
 
     @staticmethod
     def _raise_for_error(r: urllib3.BaseHTTPResponse) -> None:
@@ -231,17 +255,18 @@ class AttentionClient(SessionsMixin):
     def ready(self) -> bool:
         try:
             return self._get("/readyz").status == 200
-        except urllib3.exceptions.HTTPError:
+        except AttentionServiceError:  # no answer
             return False
 
     # ---- sessions (docs/api.md#sessions; the shared logic: service.client.sessions) ----------------------
 
     def _json_call(self, method: str, path: str, doc: Any, affinity: str) -> urllib3.BaseHTTPResponse:
-        headers = {**self._http.headers, SESSION_HEADER: affinity}
+        headers = {**self._http.headers, **_affinity_header(affinity)}
         if doc is not None:
             headers["Content-Type"] = "application/json"
-        r = self._http.request(method, f"{self._base}{path}", body=None if doc is None else orjson.dumps(doc),
-                               headers=headers)
+        with _reaching(self._base):
+            r = self._http.request(method, f"{self._base}{path}", body=None if doc is None else orjson.dumps(doc),
+                                   headers=headers)
         self._raise_for_error(r)
         return r
 
@@ -262,7 +287,7 @@ class AttentionClient(SessionsMixin):
             path = "/sessions/attend"
         else:
             path = f"/sessions/{quote(sessions[0], safe='')}/attend"
-        out = self._post(path, tensors, params, {SESSION_HEADER: affinity})
+        out = self._post(path, tensors, params, _affinity_header(affinity))
         return out["o"], out.get("lse")
 
     def _get_session(self, session: str, affinity: str) -> dict[str, Any]:

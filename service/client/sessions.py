@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from service.wire import SESSION_HEADER
+
 Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
@@ -60,8 +62,14 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.delete(missing_ok=True)
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.delete(missing_ok=True)
+            return
+        try:  # the body's error is the one to see; a failed delete (the server gone) would hide it
+            self.delete(missing_ok=True)
+        except Exception:  # noqa: BLE001 - the session expires on the server (--session-idle-s)
+            pass
 
 
 def session_id(session: Session | str) -> str:
@@ -74,16 +82,39 @@ def session_id(session: Session | str) -> str:
     return session
 
 
+def header_safe(value: str) -> bool:
+    """Whether an HTTP header (gRPC metadata) value can be ``value`` as it is."""
+    return value.isascii() and value.isprintable()
+
+
+def checked_affinity(session_affinity: str | None) -> str | None:
+    """A client's ``session_affinity=``: a header value, or a ValueError now rather than at each call."""
+    if session_affinity is not None and not (isinstance(session_affinity, str) and header_safe(session_affinity)):
+        raise ValueError(f"session_affinity must be printable ASCII (it travels as the {SESSION_HEADER} "
+                         f"header), got {session_affinity!r}")
+    return session_affinity
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
     """torch.float16 / "float16" / "torch.float16" -> "float16"."""
     return (dtype if isinstance(dtype, str) else str(dtype)).removeprefix("torch.")
 
 
 def q_lengths_tensor(q_lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """A packed step's rows of q per session, as int32 [S]."""
+    """A packed step's rows of q per session, as int32 [S]; integers only (2.9 is no row count)."""
     if q_lengths is None:
         raise TypeError("a packed step needs q_lengths: the rows of q of each session, in order")
-    return torch.as_tensor(q_lengths, dtype=torch.int32).reshape(-1)
+    t = torch.as_tensor(q_lengths)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"q_lengths must be integers (rows of q per session), got {t.dtype}")
+    return t.to(torch.int32).reshape(-1)
+
+
+def session_ids(sessions: Sequence[Session | str] | Session | str) -> list[str]:
+    """A packed step's sessions (Session handles or ids; one alone is a list of one) -> their ids."""
+    if isinstance(sessions, (Session, str)):
+        return [session_id(sessions)]
+    return [session_id(s) for s in sessions]
 
 
 class SessionsMixin:
@@ -98,8 +129,11 @@ class SessionsMixin:
 
     session_affinity: str | None = None
 
-    def _affinity(self, session: str) -> str:
-        return self.session_affinity or session
+    def _affinity(self, session: str) -> str | None:
+        """The call's affinity key; None (no header) for an id a header cannot carry (not printable
+        ASCII): the server then names what is wrong with it (400)."""
+        key = self.session_affinity or session
+        return key if header_safe(key) else None
 
     def create_session(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str = torch.float16,
                        layers: int = 1, session: str | None = None) -> Session:
@@ -140,7 +174,7 @@ class SessionsMixin:
         options = {"layer": layer, "causal": causal, "scale": scale, "return_lse": return_lse, "end": end,
                    "window_size": window_size, "softcap": softcap}
         tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths_tensor(q_lengths), "alibi_slopes": alibi_slopes}
-        ids = [session_id(s) for s in sessions]
+        ids = session_ids(sessions)
         o, lse = self._session_step(ids, tensors, options, self._affinity(ids[0] if ids else ""))
         return (o, lse) if return_lse else o
 

@@ -146,6 +146,7 @@ class SessionManager:
         self._success = metrics.success.labels("session")  # looked up once: ``labels()`` costs more than inc()
         self._expiry: asyncio.Task | None = None
         self._geometries: dict[Geometry, Geometry] = {}
+        self._stopped = False  # the steps are finished and the workers' launcher threads may be gone
 
     # ---- life -------------------------------------------------------------------------------
 
@@ -172,6 +173,7 @@ class SessionManager:
         """Finish the steps held (sessions end with the process), stop the expiry task."""
         while self.held:
             await asyncio.sleep(0.01)
+        self._stopped = True
         if self._expiry is not None:
             self._expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -266,6 +268,8 @@ class SessionManager:
         enqueued on its worker."""
         s = self.table.pop(session)
         self.activity += 1
+        if self._stopped:  # draining: no launch is left to order after, and the pages go with the process
+            return
         await self.schedulers[s.worker].run(lambda cache: cache.release(s.geometry, s.kv))
 
     # ---- steps --------------------------------------------------------------------------------

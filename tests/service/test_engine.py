@@ -215,6 +215,21 @@ def test_ready_only_after_start_and_not_while_draining():
     asyncio.run(main())
 
 
+def test_a_session_ended_while_the_server_drains_is_ended_not_an_internal_error():
+    """DELETE after the drain has stopped the workers' launcher threads (the HTTP and gRPC servers
+    still answer then): the session ends (404 afterwards), no 'cannot schedule new futures'."""
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        sid = engine.sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"]
+        await engine.drain()
+        await engine.sessions.delete(sid)
+        with pytest.raises(errors.NotFound):
+            engine.sessions.describe(sid)
+
+    asyncio.run(main())
+
+
 def test_readyz_is_503_until_the_warm_up_has_run():
     """/readyz (and the OIP ready routes) answer 503 while a worker is still warming, 200 only
     once its warm-up has returned: the warm-up is held at its start until the probes have asked."""

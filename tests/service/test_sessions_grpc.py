@@ -216,6 +216,66 @@ def test_client_session_api_and_context_manager(client, http, transport):
     c.delete_session(named.id)
 
 
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_client_refusals_match_the_servers_and_name_the_item(server, client, http, transport):
+    """What the gRPC messages cannot carry is refused by the client as the server refuses it over
+    HTTP (an unknown dtype once made a float16 session, layers=0 one layer); ids a header cannot
+    carry reach the server, which names them (400 / INVALID_ARGUMENT), where they once failed in
+    the client's header encoding; q_lengths must be integers; a session_stream item that cannot be
+    built (a misspelt option, a Session handle as its sessions is fine) is that item's outcome,
+    and the stream goes on."""
+    c = client if transport == "grpc" else http
+    for dtype in ("fp32", "float64", torch.int8):
+        err = _status(c.create_session, HKV, D, dtype)
+        assert err.code in ("invalid_input", "unprocessable"), err
+        assert "not supported" in err.message and "float16, bfloat16 or float32" in err.message
+    assert "layers" in _status(c.create_session, HKV, D, "float32", layers=0).message
+    for bad in ("é", "日本", "a\nb"):
+        err = _status(c.create_session, HKV, D, "float32", session=bad)
+        assert err.code == "bad_request" and "is not valid" in err.message, err
+        assert _status(c.get_session, bad).code == "bad_request"
+        assert _status(c.delete_session, bad).code == "bad_request"
+        assert _status(c.step, bad, *qkv(1, 5)).code == "bad_request"
+    with pytest.raises(ValueError, match="session_affinity must be printable ASCII"):
+        type(c)(server.grpc_target if transport == "grpc" else server.url, session_affinity="é")
+    s = c.create_session(HKV, D, "float32")
+    q, k, v = (t[0].transpose(0, 1) for t in qkv(3, 6))
+    with pytest.raises(TypeError, match="q_lengths must be integers"):
+        c.packed_step([s], q, k, v, [2.9, 0.1])
+    o = c.packed_step(s, q, k, v, [3])  # one session alone, as a handle
+    assert c.get_session(s)["lengths"] == [3]
+    if transport == "grpc":
+        q1, k1, v1 = (t[0].transpose(0, 1) for t in qkv(1, 7))
+        items = [dict(sessions=s, q=q1, k=k1, v=v1, q_lengths=[1]),
+                 dict(sessions=[s], q=q1, k=k1, v=v1, q_lengths=[1], casual=False),
+                 dict(sessions=[s.id], q=q1, q_lengths=[1])]
+        out = dict(client.session_stream(items))
+        assert set(out) == {"0", "1", "2"}
+        assert out["1"].status == grpc.StatusCode.INVALID_ARGUMENT and "item 1" in out["1"].message
+        assert "casual" in out["1"].message
+        assert torch.equal(out["2"], client.packed_step(s, q1, None, None, [1]))
+        assert c.get_session(s)["lengths"] == [4]  # item 0 appended; items 1 and 2 did not
+    c.delete_session(s)
+    assert o.shape == q.shape
+
+
+def test_leaving_a_session_block_keeps_the_bodys_error(http):
+    """A session's ``with`` block that raises: that error reaches the caller even when the delete
+    on the way out fails (the server gone: a handle on a client of a port nobody listens on); it
+    once came out as the delete's connection error, which is raised when the body went well."""
+    live = http.create_session(HKV, D, "float32")
+    with AttentionClient("http://127.0.0.1:9", timeout=5.0) as gone:
+        s = Session(gone, live.id, 1, HKV, D, "float32")
+        with pytest.raises(ZeroDivisionError):
+            with s:
+                raise ZeroDivisionError("the body's own error")
+        with pytest.raises(AttentionServiceError) as err:
+            with s:
+                pass
+    assert err.value.status == 503 and err.value.code == "unavailable"
+    http.delete_session(live)
+
+
 # ---------------------------------------------------------------- the affinity header
 
 
