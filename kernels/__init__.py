@@ -20,6 +20,7 @@ from .errors import (
     HeadDimError,
     KernelUnavailableError,
     KVLengthsError,
+    OptionError,
     ShapeError,
 )
 from .masks import MaskError
@@ -45,6 +46,7 @@ __all__ = [
     "KVLengthsError",
     "KernelUnavailableError",
     "MaskError",
+    "OptionError",
     "SeqLensError",
     "ShapeError",
     "append_paged",
@@ -106,7 +108,8 @@ def attention(
             o, lse = impl.forward(q, k, v, **opts)
     else:
         o, lse = impl.forward(q, k, v, **opts)
-    return (o, lse) if return_lse else o
+    # lse carries no gradient (docs/api.md): the Triton path marks it so, PyTorch's autograd would not
+    return (o, lse.detach()) if return_lse else o
 
 
 def freeze_autotuning(frozen: bool = True) -> None:

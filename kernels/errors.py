@@ -25,6 +25,10 @@ class DeviceMismatchError(AttentionInputError):
     """q, k, v (and kv_lengths) on different devices."""
 
 
+class OptionError(AttentionInputError):
+    """A scale that is not a number within float32's range, or a causal flag that is not a bool."""
+
+
 class KVLengthsError(AttentionInputError):
     """kv_lengths of the wrong shape, dtype or range."""
 

@@ -16,6 +16,8 @@ its ``attention_ref``: the scale first, then the cap, then the bias).
 from __future__ import annotations
 
 import math
+import numbers
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +87,30 @@ class Masks:
 NO_MASKS = Masks()
 
 
+def real(x: object) -> float | None:
+    """x as a float when it is a real number (numpy's scalars included, a bool not), else None; an int
+    past float's range is inf."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def as_float32(x: float) -> float:
+    """x rounded to float32, as the kernels receive it: inf past float32's range, 0 below its smallest."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # struct refuses what rounds to inf
+        return math.copysign(math.inf, x)
+
+
 def check_masks(window_size: object, softcap: object, alibi_slopes: object, *, rows: int, heads_q: int,
                 device: torch.device, causal: bool, rows_name: str = "B") -> Masks:
-    """Validate the options: window_size a pair of ints >= -1, softcap a finite number >= 0,
-    alibi_slopes float32 [Hq] or [rows, Hq] on q's device. With causal the window's right side is
-    dropped (causal bounds it at 0 already)."""
+    """Validate the options: window_size a pair of ints >= -1, softcap a finite number >= 0 (off past
+    float32's range in the kernels' log2 units, ~2.36e38), alibi_slopes float32 [Hq] or [rows, Hq] on
+    q's device. With causal the window's right side is dropped (causal bounds it at 0 already)."""
     if isinstance(window_size, list):
         window_size = tuple(window_size)
     if (not isinstance(window_size, tuple) or len(window_size) != 2
@@ -100,9 +121,13 @@ def check_masks(window_size: object, softcap: object, alibi_slopes: object, *, r
         raise MaskError(f"window_size sides must be >= -1 (-1: unbounded), got ({left}, {right})")
     if causal:
         right = UNBOUNDED
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-            or softcap < 0:
+    cap = real(softcap)
+    if cap is None or not math.isfinite(cap) or cap < 0:
         raise MaskError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if math.isinf(as_float32(cap * LOG2E)):
+        # the kernels take the cap in log2 units: past float32's range there, a cap bends only scores
+        # near float32's own limit, so it is off (docs/api.md), as the service makes a cap past FLT_MAX
+        cap = 0.0
     alibi = None
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor):
@@ -123,7 +148,8 @@ def check_masks(window_size: object, softcap: object, alibi_slopes: object, *, r
         if alibi_slopes.device.type == "cpu" and not bool(torch.isfinite(alibi_slopes).all()):
             # checked on the host only: reading a GPU tensor would synchronise the device
             raise MaskError("alibi_slopes must be finite")
-    return Masks(left, right, float(softcap), alibi)
+        alibi = alibi.detach()  # the slopes get no gradient (docs/kernels.md), on every kernel alike
+    return Masks(left, right, cap, alibi)
 
 
 def dense_masks(masks: Masks, n_q: int, n_k: int) -> Masks:
@@ -165,4 +191,5 @@ def modify_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, n_q: 
     return s
 
 
-__all__ = ["NO_MASKS", "UNBOUNDED", "MaskError", "Masks", "check_masks", "dense_masks", "modify_scores", "visible"]
+__all__ = ["NO_MASKS", "UNBOUNDED", "MaskError", "Masks", "as_float32", "check_masks", "dense_masks", "modify_scores",
+           "real", "visible"]

@@ -26,10 +26,10 @@ from .ragged_checks import (
     check_cu,
     check_heads,
     check_index,
-    check_scale,
     check_tensor3,
     host_ints,
 )
+from .spec import check_causal, check_scale
 
 
 def _check_pages(k_pages: object, v_pages: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,11 +136,11 @@ def attention_paged(
     q = check_tensor3("q", q)
     k_pages, v_pages = _check_pages(k_pages, v_pages)
     _, _, d = check_heads(q, k_pages, v_pages, "k_pages, v_pages")
-    scale = check_scale(scale, d)
+    scale, causal = check_scale(scale, d), check_causal(causal)
     cu_q = check_index("cu_seqlens_q", cu_seqlens_q, 1, q.device, SeqLensError, "[S + 1]")
     bt, cl = _check_table(block_table, cache_lens, cu_q.shape[0] - 1, q.device)
     masks = check_masks(window_size, softcap, alibi_slopes, rows=cu_q.shape[0] - 1, heads_q=q.shape[1],
-                        device=q.device, causal=bool(causal), rows_name="S")
+                        device=q.device, causal=causal, rows_name="S")
     impl = choose_ragged("paged", q.device, q.dtype, kernel)
     page = k_pages.shape[1]
     if host_index is None:
@@ -160,13 +160,13 @@ def attention_paged(
     with torch.no_grad():
         if impl == "flash":
             with on_device(q.device):
-                o, lse = flash_ragged(q, k_pages, v_pages, q_lens, lens, causal=bool(causal), scale=scale,
+                o, lse = flash_ragged(q, k_pages, v_pages, q_lens, lens, causal=causal, scale=scale,
                                       block_table=bt, masks=masks)
         else:
             def keys(s: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return gather_pages(k_pages, bt[s], lens[s]), gather_pages(v_pages, bt[s], lens[s])
 
-            o, lse = reference_ragged(q, q_lens, keys, causal=bool(causal), scale=scale, masks=masks)
+            o, lse = reference_ragged(q, q_lens, keys, causal=causal, scale=scale, masks=masks)
     return (o, lse) if return_lse else o
 
 

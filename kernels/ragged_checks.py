@@ -3,8 +3,6 @@ errors they raise, and the one device-to-host copy that reads a call's lengths."
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .errors import (
@@ -54,14 +52,6 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_name: str 
     if hq < 1 or hkv < 1 or hq % hkv != 0:
         raise ShapeError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv}) for GQA/MQA")
     return hq, hkv, d
-
-
-def check_scale(scale: float | None, d: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ShapeError(f"scale must be a finite number, got {scale!r}")
-    return float(scale)
 
 
 def check_index(name: str, t: object, dim: int, device: torch.device, error: type[AttentionInputError],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import NO_MASKS, Masks, modify_scores, visible
+from .masks import NO_MASKS, Masks, as_float32, modify_scores, visible
 
 
 def _expand_kv(k: torch.Tensor, group: int) -> torch.Tensor:
@@ -117,7 +117,7 @@ def blockwise_attention(
     lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=q.device)
     outs, lses = [], []
     for r0 in range(0, n_q, block_q):
-        qi = q[:, :, r0 : r0 + block_q].to(acc) * scale  # (B, Hq, bq, D)
+        qi = q[:, :, r0 : r0 + block_q].to(acc)  # (B, Hq, bq, D)
         rows = qi.shape[2]
         m_i = torch.full((b, hq, rows, 1), float("-inf"), dtype=acc, device=q.device)
         l_i = torch.zeros((b, hq, rows, 1), dtype=acc, device=q.device)
@@ -130,7 +130,8 @@ def blockwise_attention(
         for c0 in range(c_lo // block_k * block_k, max(c_hi, 0), block_k):
             kj = _expand_kv(k[:, :, c0 : c0 + block_k], group).to(acc)
             vj = _zero_padding(_expand_kv(v[:, :, c0 : c0 + block_k], group).to(acc), kv_lengths, c0)
-            s = torch.matmul(qi, kj.transpose(-1, -2))  # S_ij (B, Hq, bq, bk)
+            # scaled after the product, as the other kernels: q · scale alone may pass float32's range
+            s = torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale)  # S_ij (B, Hq, bq, bk)
             if modify:
                 s = modify_scores(s, torch.arange(r0, r0 + rows, device=q.device),
                                   torch.arange(c0, c0 + kj.shape[2], device=q.device), n_q, n_k, masks)
@@ -168,10 +169,15 @@ def _sdpa_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return o, lse.to(torch.float32)
 
 
-def _empty_rows(q: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) = (0, -inf) of ``rows`` rows that see no key: o (B, H, rows, D), lse (B, H, rows)."""
     b, h, _, d = q.shape
-    return (q.new_zeros(b, h, rows, d),
-            torch.full((b, h, rows), float("-inf"), dtype=torch.float32, device=q.device))
+    o = q.new_zeros(b, h, rows, d)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # a graph to q, k, v with zero gradients (as flash's), so that a call in which no row sees a key
+        # still differentiates: sums over empty slices are exactly 0, whatever q, k, v hold
+        o = o + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
+    return o, torch.full((b, h, rows), float("-inf"), dtype=torch.float32, device=q.device)
 
 
 def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: int | None, scale: float,
@@ -180,11 +186,11 @@ def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: int | N
     autograd (torch's CPU kernel gives no gradient through its lse)."""
     n_q, n_k = q.shape[2], k.shape[2]
     if n_k == 0:
-        return _empty_rows(q, n_q)
+        return _empty_rows(q, k, v, n_q)
     if off is None or off >= n_k - 1:
         return _sdpa_cpu(q, k, v, False, scale)
     r0 = min(max(-off, 0), n_q)           # rows that see no key at all
-    parts = [_empty_rows(q, r0)] if r0 else []
+    parts = [_empty_rows(q, k, v, r0)] if r0 else []
     if r0 < n_q:
         qr, off = q[:, :, r0:], off + r0      # now off >= 0
         if off >= n_k - 1:
@@ -207,10 +213,13 @@ def _sdpa_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: int | N
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, copied to a fresh (64-byte-aligned) tensor when it starts elsewhere: the CPU's matmuls
-    round by the operand's address, so a view into a request body (safetensors puts tensors at any
-    8-byte offset) would give other bits than the same numbers sent over another transport."""
-    if t.data_ptr() % 64 == 0 or t.numel() == 0:
+    """``t``, copied to a fresh (64-byte-aligned, contiguous) tensor when it starts elsewhere or its
+    last dim has a stride other than 1. The CPU's matmuls round by the operand's address, so a view
+    into a request body (safetensors puts tensors at any 8-byte offset) would give other bits than the
+    same numbers sent over another transport; torch's CPU kernel reads the last dim as if its stride
+    were 1 (``F.scaled_dot_product_attention`` copies before it, the private op does not). Autograd
+    carries the gradients back through the copy."""
+    if t.numel() == 0 or (t.data_ptr() % 64 == 0 and t.stride(-1) == 1):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -230,9 +239,10 @@ def cpu_attention(
     bottom-right causal, kv_lengths (each batch element's keys cut to its length), rows with no
     key -> (0, -inf), batch invariance (one call per batch element, from 64-byte-aligned copies).
     Falls back to ``blockwise_attention`` where that kernel cannot (a causal Nq != Nk split under autograd,
-    a causal scale <= 0: its mask's -inf times the scale is NaN or +inf, and the score modifiers:
-    torch's kernel takes no window, cap or bias short of an Nq x Nk mask)."""
-    if masks.active or (causal and not scale > 0):  # torch's kernel masks before it scales: -inf * 0 is NaN
+    a causal scale <= 0 in float32, the kernel's arithmetic: its mask's -inf times the scale is NaN or
+    +inf, and the score modifiers: torch's kernel takes no window, cap or bias short of an Nq x Nk mask)."""
+    # torch's kernel masks before it scales: -inf * 0 is NaN (1e-46 is 0 in its float32)
+    if masks.active or (causal and not as_float32(scale) > 0):
         return _blockwise_each(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, masks=masks)
     if q.shape[0] > 1:  # torch's kernel rounds an element by where it lies in the batch: one call each
         outs = [cpu_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal, scale=scale,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .errors import DeviceMismatchError, DTypeError, HeadDimError, KVLengthsError, ShapeError
-from .masks import NO_MASKS, Masks, check_masks, dense_masks
+from .errors import DeviceMismatchError, DTypeError, HeadDimError, KVLengthsError, OptionError, ShapeError
+from .masks import LOG2E, NO_MASKS, Masks, as_float32, check_masks, dense_masks, real
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -37,6 +38,27 @@ class AttnSpec:
         return self.heads_q // self.heads_kv
 
 
+def check_scale(scale: object, d: int) -> float:
+    """The scale: 1/sqrt(d) for None, else a real number (numpy's scalars included, a bool not) whose
+    base-2 form, scale · log2(e), stays finite in float32, the kernels' arithmetic (docs/api.md)."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    value = real(scale)
+    if value is None:
+        raise OptionError(f"scale must be a number, got {scale!r}")
+    if not math.isfinite(as_float32(value * LOG2E)):  # the kernels fold log2(e) into the scale, in float32
+        raise OptionError(f"scale must be finite and |scale| <= 2.3e38 (float32's range over log2(e), the "
+                          f"kernels' base-2 softmax), got {scale!r}")
+    return value
+
+
+def check_causal(causal: object) -> bool:
+    """causal, a bool (numpy's included): anything else is refused, as ``bool("false")`` is True."""
+    if not isinstance(causal, bool | np.bool_):
+        raise OptionError(f"causal must be a bool, got {causal!r}")
+    return bool(causal)
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,8 +72,9 @@ def check_inputs(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
 ) -> AttnSpec:
-    """Validate q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), kv_lengths (B,) int32/int64 and the score
-    modifiers (``masks.check_masks``; a window side no row's keys reach is dropped).
+    """Validate q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), kv_lengths (B,) int32/int64, causal and scale
+    (``check_causal``, ``check_scale``) and the score modifiers (``masks.check_masks``; a window side
+    no row's keys reach is dropped).
 
     Raises a subclass of ``AttentionInputError`` whose message names the offending argument.
     """
@@ -85,8 +108,8 @@ def check_inputs(
         raise ShapeError(
             f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA"
         )
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ShapeError(f"scale must be a finite number, got {scale!r}")
+    scale = check_scale(scale, d)
+    causal = check_causal(causal)
     if kv_lengths is not None:
         if not isinstance(kv_lengths, torch.Tensor):
             raise KVLengthsError("kv_lengths must be a tensor of shape [B]")
@@ -104,7 +127,7 @@ def check_inputs(
             if lo < 0 or hi > nk:
                 raise KVLengthsError(f"kv_lengths must lie in [0, {nk}] (Nk), got values in [{lo}, {hi}]")
     masks = dense_masks(check_masks(window_size, softcap, alibi_slopes, rows=b, heads_q=hq, device=q.device,
-                                    causal=bool(causal)), nq, nk)
+                                    causal=causal), nq, nk)
     return AttnSpec(
         batch=b,
         heads_q=hq,
@@ -114,8 +137,8 @@ def check_inputs(
         head_dim=d,
         dtype=q.dtype,
         device=q.device,
-        causal=bool(causal),
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
+        causal=causal,
+        scale=scale,
         has_kv_lengths=kv_lengths is not None,
         masks=masks,
     )

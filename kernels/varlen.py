@@ -12,7 +12,15 @@ import torch
 
 from .masks import check_masks
 from .ragged import choose_ragged, flash_ragged, on_device, reference_ragged
-from .ragged_checks import SeqLensError, check_cu, check_heads, check_index, check_scale, check_tensor3, host_ints
+from .ragged_checks import (
+    SeqLensError,
+    check_cu,
+    check_heads,
+    check_index,
+    check_tensor3,
+    host_ints,
+)
+from .spec import check_causal, check_scale
 
 
 def attention_varlen(
@@ -46,14 +54,14 @@ def attention_varlen(
     """
     q, k, v = check_tensor3("q", q), check_tensor3("k", k), check_tensor3("v", v)
     _, _, d = check_heads(q, k, v)
-    scale = check_scale(scale, d)
+    scale, causal = check_scale(scale, d), check_causal(causal)
     cu_q = check_index("cu_seqlens_q", cu_seqlens_q, 1, q.device, SeqLensError, "[S + 1]")
     cu_k = check_index("cu_seqlens_k", cu_seqlens_k, 1, q.device, SeqLensError, "[S + 1]")
     if cu_q.shape != cu_k.shape:
         raise SeqLensError(f"cu_seqlens_q and cu_seqlens_k must both have S + 1 entries, got "
                            f"{cu_q.shape[0]} and {cu_k.shape[0]}")
     masks = check_masks(window_size, softcap, alibi_slopes, rows=cu_q.shape[0] - 1, heads_q=q.shape[1],
-                        device=q.device, causal=bool(causal), rows_name="S")
+                        device=q.device, causal=causal, rows_name="S")
     impl = choose_ragged("varlen", q.device, q.dtype, kernel)
     cq, ck = host_ints(cu_q, cu_k)
     q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
@@ -61,10 +69,10 @@ def attention_varlen(
     with torch.no_grad():
         if impl == "flash":
             with on_device(q.device):
-                o, lse = flash_ragged(q, k, v, q_lens, k_lens, causal=bool(causal), scale=scale, k_starts=ck[:-1],
+                o, lse = flash_ragged(q, k, v, q_lens, k_lens, causal=causal, scale=scale, k_starts=ck[:-1],
                                       masks=masks)
         else:
             o, lse = reference_ragged(q, q_lens, lambda s: (k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]),
-                                      causal=bool(causal), scale=scale, masks=masks)
+                                      causal=causal, scale=scale, masks=masks)
     return (o, lse) if return_lse else o
 

@@ -35,7 +35,7 @@ import torch
 import kernels
 from kernels.masks import check_masks
 from kernels.ragged import Plan, PlanLayout, launch_plan, plan_layout
-from kernels.ragged_checks import check_scale
+from kernels.spec import check_scale
 from service.core.staging import carve, host_copy
 from service.sessions.cache import KVCache
 from service.sessions.packing import pack

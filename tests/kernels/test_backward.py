@@ -92,6 +92,41 @@ def test_cpu_path_backward(name):
     check_grads(cpu_attention, CASES[name], torch.float32, device="cpu")
 
 
+def on_strided_views(fn):
+    """fn run on views of its q, k, v whose last dim has stride 2 (every other column of a wider
+    tensor), the gradients flowing back to the originals."""
+    def run(q, k, v, **kw):
+        q, k, v = (torch.stack((t, torch.zeros_like(t)), dim=-1).flatten(-2)[..., ::2] for t in (q, k, v))
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 2
+        return fn(q, k, v, **kw)
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cpu_path_backward_with_a_strided_last_dim(name):
+    """Torch's CPU kernel reads the last dim as if its stride were 1: the CPU path copies such views,
+    and its gradients reach the views' own elements."""
+    check_grads(on_strided_views(cpu_attention), CASES[name], torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "reference", "flash"])
+@pytest.mark.parametrize("lengths,causal", [([0], False), ([0, 0], False), ([0], True)],
+                         ids=["one", "two", "one_causal"])
+def test_backward_when_no_row_sees_a_key(kernel, lengths, causal, monkeypatch):
+    """kv_lengths 0 for every batch element: o = 0, still a function of q, k, v, whose gradients are
+    zeros on every kernel ("auto" without the interpreter: the CPU path)."""
+    if kernel == "auto":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(len(lengths), 2, n, 16, generator=g).requires_grad_() for n in (4, 6, 6))
+    o = kernels.attention(q, k, v, causal=causal, kv_lengths=torch.tensor(lengths, dtype=torch.int32),
+                          kernel=kernel)
+    assert (o == 0).all()
+    o.sum().backward()
+    for name, t in zip("qkv", (q, k, v), strict=True):
+        assert t.grad is not None and (t.grad == 0).all(), f"d{name}"
+
+
 # ---------------------------------------------------------------- GPU
 
 GPU_CASES = {

@@ -8,13 +8,14 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
 import kernels
 from kernels.reference import blockwise_attention, reference_attention
 from tests.conftest import random_qkv
-from tests.helpers import attention64
+from tests.helpers import assert_close_to_masked, assert_close_to_reference, attention64
 
 # (B, Hq, Hkv, Nq, Nk, D): why each is awkward
 SHAPES = [
@@ -127,7 +128,7 @@ def _err(**overrides):
         (_err(kv_lengths=torch.tensor([1.0, 2.0])), kernels.KVLengthsError, "int32"),
         (_err(kv_lengths=torch.tensor([1, 9])), kernels.KVLengthsError, "[0, 8]"),
         (_err(kv_lengths=torch.tensor([-1, 2])), kernels.KVLengthsError, "[0, 8]"),
-        (_err(scale=float("nan")), kernels.ShapeError, "finite"),
+        (_err(scale=float("nan")), kernels.OptionError, "finite"),
         (_err(kernel="fast"), kernels.KernelUnavailableError, "unknown kernel"),
     ],
 )
@@ -189,13 +190,14 @@ def test_cpu_path_batched_is_each_alone_bit_for_bit(shape, causal, lengths):
         assert torch.equal(o[i:i + 1], alone[0]) and torch.equal(lse[i:i + 1], alone[1]), i
 
 
-@pytest.mark.parametrize("scale", [-0.7, 0.0, -0.0, -1e-3])
+# 1e-46 and 1e-300 are positive but 0 in float32, the scale torch's kernel multiplies by
+@pytest.mark.parametrize("scale", [-0.7, 0.0, -0.0, -1e-3, 1e-46, 1e-300])
 @pytest.mark.parametrize("nq,nk,lengths", [(5, 5, False), (3, 9, False), (4, 9, True)],
                          ids=["square", "chunk", "kv_lengths"])
-def test_cpu_path_causal_with_a_scale_at_or_below_zero(monkeypatch, scale, nq, nk, lengths):
-    """A causal call with scale <= 0 is valid (docs/api.md: any finite scale); torch's CPU kernel masks
-    before it scales, so its masked scores came out NaN or +inf and every row but the last was NaN
-    (a 200 with a wrong answer). The CPU path equals the float64 reference."""
+def test_cpu_path_causal_with_a_float32_scale_at_or_below_zero(monkeypatch, scale, nq, nk, lengths):
+    """A causal call with scale <= 0 in float32 is valid (docs/api.md: any finite scale); torch's CPU
+    kernel masks before it scales, so its masked scores came out NaN or +inf and every row but the
+    last was NaN (a 200 with a wrong answer). The CPU path equals the float64 reference."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # kernel="auto" -> the CPU path
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, n, 8, generator=g) for n in (nq, nk, nk))
@@ -229,3 +231,71 @@ def test_importing_kernels_settles_mkl_vector_math_first(switch):
     assert resolved == str(mkl == "True" and switch is None)
     if switch is None:
         assert same == "True"
+
+
+@pytest.mark.parametrize("strided", ["q", "k", "v", "qkv"])
+@pytest.mark.parametrize("causal,lengths", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "causal", "causal_kv_lengths"])
+def test_cpu_path_reads_a_strided_last_dim(strided, causal, lengths, monkeypatch):
+    """Inputs may have any strides (docs/api.md), a last dim of stride 2 included: torch's CPU kernel
+    reads that dim as if its stride were 1, so such a view must reach it as a copy."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # kernel="auto" -> the CPU path
+    wide = _inputs((2, 4, 2, 17, 33, 48))  # every other column of these: D 24, stride 2
+    q, k, v = (w[..., ::2] if name in strided else w[..., ::2].contiguous()
+               for name, w in zip("qkv", wide, strict=True))
+    assert q.shape[-1] == 24 and (q.stride(-1) == 2) == ("q" in strided)
+    kvl = torch.tensor([33, 20], dtype=torch.int32) if lengths else None
+    o, lse = kernels.attention(q, k, v, causal=causal, kv_lengths=kvl, return_lse=True)
+    assert_close_to_reference(o, q, k, v, causal=causal, kv_lengths=kvl, lse=lse)
+
+
+def test_blockwise_scales_the_scores_not_q(monkeypatch):
+    """|q| ~ 100 times scale 1e37 is past float32's range though every score (|k| ~ 1e-37) is not: the
+    blockwise loop (the CPU path of any score modifier) scales after the dot product, as the others do."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # kernel="auto" -> the CPU path
+    q, k, v = _inputs((1, 2, 2, 16, 16, 16))
+    q, k, scale = q * 100, k * 1e-37, 1e37
+    o = kernels.attention(q, k, v, scale=scale, window_size=(3, 3))
+    assert_close_to_masked(o, q, k, v, scale=scale, window=(3, 3))
+    o, _ = blockwise_attention(q, k, v, causal=False, scale=scale)
+    assert_close_to_masked(o, q, k, v, scale=scale)
+
+
+def _entry_points(q, k, v):
+    """attention, attention_varlen and attention_paged on one problem q (1, Hq, Nq, D), k, v
+    (1, Hkv, Nk, D), each a function of the options (paged: one page holding every key)."""
+    qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, H, D)
+    cu_q, cu_k = (torch.tensor([0, t.shape[0]], dtype=torch.int32) for t in (qt, kt))
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([kt.shape[0]], dtype=torch.int32)
+    return {
+        "attention": lambda **opts: kernels.attention(q, k, v, **opts),
+        "varlen": lambda **opts: kernels.attention_varlen(qt, kt, vt, cu_q, cu_k, **opts),
+        "paged": lambda **opts: kernels.attention_paged(qt, kt[None], vt[None], table, lens, cu_q, **opts),
+    }
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen", "paged"])
+@pytest.mark.parametrize(("opts", "match"), [
+    (dict(scale=float("nan")), "finite"),
+    (dict(scale=1e39), "float32"),          # finite in Python, inf in the kernels' float32
+    (dict(scale=-3.5e38), "float32"),
+    (dict(scale=3e38), "2.3e38"),           # within float32, but scale · log2(e) is not: NaN in Triton
+    (dict(scale=True), "scale must be a number"),
+    (dict(scale="0.5"), "scale must be a number"),
+    (dict(causal="false"), "causal must be a bool"),  # a non-empty string is true: it would run causal
+    (dict(causal=1), "causal must be a bool"),
+    (dict(causal=None), "causal must be a bool"),
+], ids=["nan", "1e39", "-3.5e38", "3e38", "bool_scale", "str_scale", "str_causal", "int_causal", "none_causal"])
+def test_scale_and_causal_are_checked_alike_everywhere(entry, opts, match):
+    q, k, v = _inputs((1, 4, 2, 5, 7, 16))
+    with pytest.raises(kernels.OptionError, match=match):
+        _entry_points(q, k, v)[entry](**opts)
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen", "paged"])
+def test_numpy_scalars_are_numbers_and_flags(entry):
+    """numpy's float scalars are numbers and its bool a flag: the answer is the Python values' own."""
+    q, k, v = _inputs((1, 4, 2, 5, 7, 16))
+    call = _entry_points(q, k, v)[entry]
+    want = call(scale=0.5, causal=True, softcap=2.0)
+    assert torch.equal(call(scale=np.float32(0.5), causal=np.bool_(True), softcap=np.float32(2.0)), want)

@@ -301,6 +301,41 @@ def test_gradients_against_float64_autograd(name, kernel, monkeypatch):
         torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-4, msg=lambda m, n=name_: f"d{n}: {m}")
 
 
+# a cap of 2.3e38 stays on; past FLT_MAX / log2(e) (~2.36e38, inf in the kernels' log2 units) and past
+# FLT_MAX (docs/api.md: "bounds nothing: off") it is off
+@pytest.mark.parametrize("cap,on", [(2.3e38, True), (2.4e38, False), (3e38, False), (1e39, False)])
+@pytest.mark.parametrize("kernel", ["flash", "auto", "reference"])
+def test_softcap_past_float32_is_off(cap, on, kernel, monkeypatch):
+    """A cap past float32's range, counted in the kernels' units (softcap · log2 e), is off on every
+    kernel and entry point: the plain answer, never NaN."""
+    if kernel == "auto":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = qkv((1, 2, 1, 5, 9, 16), torch.float32)
+    assert kernels.check_inputs(q, k, v, softcap=cap).masks.active == on
+    o, lse = attention(q, k, v, softcap=cap, return_lse=True, kernel=kernel)
+    check(o, lse, q, k, v, softcap=cap if on else 0.0)
+    qt, kt, vt = (t[0].transpose(0, 1) for t in (q, k, v))
+    o, lse = attention_varlen(qt, kt, vt, cu_of([5], "cpu"), cu_of([9], "cpu"), softcap=cap, return_lse=True,
+                              kernel=kernel)
+    check(four(o), lse[None], q, k, v, softcap=cap if on else 0.0)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "auto", "reference"])
+def test_lse_and_alibi_slopes_carry_no_gradient(kernel, monkeypatch):
+    """docs/api.md: lse carries no gradient; the slopes get none either, on every kernel and whichever
+    path the CPU takes (causal Nq != Nk under autograd, and any modifier, run its blockwise loop)."""
+    if kernel == "auto":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (t.requires_grad_() for t in qkv((1, 2, 2, 4, 9, 16), torch.float32))
+    o, lse = attention(q, k, v, causal=True, return_lse=True, kernel=kernel)
+    assert o.requires_grad and not lse.requires_grad
+    slopes = torch.tensor([0.1, 0.2], requires_grad=True)
+    o, lse = attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True, kernel=kernel)
+    assert o.requires_grad and not lse.requires_grad
+    o.sum().backward()
+    assert slopes.grad is None and q.grad is not None
+
+
 # ---- on a GPU ----
 
 # (shape, causal, window, softcap, ALiBi slopes, the kernel that serves it): the Gluon prefill takes

@@ -16,6 +16,7 @@ from kernels import (
     DTypeError,
     HeadDimError,
     KernelUnavailableError,
+    OptionError,
     SeqLensError,
     ShapeError,
     attention_varlen,
@@ -133,7 +134,7 @@ BAD = {  # name: (change, error, message fragment)
     "cu_short_end": (dict(cu_seqlens_q=lambda a: idx([0, 2, 4])), SeqLensError,
                      "end at"),
     "cu_counts": (dict(cu_seqlens_k=lambda a: idx([0, 9])), SeqLensError, r"S \+ 1"),
-    "scale_nan": (dict(), ShapeError, "finite"),
+    "scale_nan": (dict(), OptionError, "finite"),
 }
 
 
