@@ -12,8 +12,9 @@
 layer per decoder layer); it keeps only lengths. Its ``update`` stages a layer's new keys and
 values, and the registered attention function ``attnserve_attention`` sends them with the layer's
 queries in one packed step of every row (one call per layer per forward), so the server appends
-them and answers causal attention over everything the row holds. Left-padded batches work: pad
-positions, read from the 4-D mask, never enter a session, and their outputs are zeros.
+them and answers causal attention over everything the row holds. Padded batches work: pad
+positions, read from the 4-D mask, never enter a session; a pad after a row's last real token (right
+padding) attends to every real token the row holds, as the model's own pad does, other pads give zeros.
 
 Sliding-window layers (Mistral's ``sliding_window``; Qwen2's ``use_sliding_window``, whose
 ``layer_types`` mix ``"sliding_attention"`` and ``"full_attention"``) step with
@@ -21,10 +22,11 @@ Sliding-window layers (Mistral's ``sliding_window``; Qwen2's ``use_sliding_windo
 sliding mask (key j visible to query i iff i - W < j <= i) does; full layers step with
 ``(-1, -1)``. The session holds every token; the window is applied by the server.
 
-Not supported (a clear error, never a silent wrong answer): dropout, ``output_attentions``,
-chunked (``attention_chunk_size``) or non-causal attention, layer types other than full and
-sliding attention, additive attention biases, beam search and other cache reordering, and
-cropping (assisted decoding).
+Not supported (a clear error, never a silent wrong answer): dropout, a backward through the
+attention (training), ``output_attentions``, chunked (``attention_chunk_size``) or non-causal
+attention, layer types other than full and sliding attention, additive attention biases, beam
+search and other cache reordering, cropping (assisted decoding), and a model whose attention is
+not ``"attnserve"``.
 
 This module imports transformers; ``service.client`` does not import this module.
 """
@@ -85,6 +87,13 @@ def use_attnserve(model: Any) -> Any:
     this module); return the model. Its ``generate`` then needs ``cache=SessionCache(...)``."""
     check_supported(model.config)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    # transformers only logs a warning for a model that cannot switch (its attention does not go
+    # through AttentionInterface: Falcon, Bloom, GPT-Neo); it would then ignore the sessions
+    found = getattr(_text_config(model.config), "_attn_implementation", None)
+    if found != ATTN_IMPLEMENTATION:
+        raise NotImplementedError(f"{type(model).__name__} cannot switch its attention implementation to "
+                                  f"{ATTN_IMPLEMENTATION!r} (it stays {found!r}): its attention does not go through "
+                                  "transformers' AttentionInterface, so attnserve cannot serve it")
     return model
 
 
@@ -158,15 +167,21 @@ class SessionCache(Cache):
     ``SessionCache(client, model_or_config, batch_size=1, dtype=None)``: ``client`` an
     ``AttentionClient`` or ``GrpcAttentionClient``; the config gives the layers,
     ``num_key_value_heads`` and ``head_dim``; ``dtype`` the sessions' dtype (default the model's, or
-    the config's, else float32), which the model's keys must have. A context manager: the sessions
-    are deleted on exit (``close()``).
+    the config's, else float32), which the model's keys and values must have (under
+    ``torch.autocast`` they are cast to it). A context manager: the sessions are deleted on exit
+    (``close()``), and an error of the ``with`` body is the one raised (an error of ``close()``
+    becomes a note on it).
     """
 
     def __init__(self, client: Any, model_or_config: Any, batch_size: int = 1,
                  dtype: torch.dtype | str | None = None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1 (the model's batch rows), got {batch_size!r}")
         config = getattr(model_or_config, "config", model_or_config)
         check_supported(config)
         text = _text_config(config)
+        # a model's own config tells, at each update, whether its attention is attnserve's
+        self._model_config = text if hasattr(model_or_config, "config") else None
         if dtype is None:
             dtype = getattr(model_or_config, "dtype", None) if hasattr(model_or_config, "config") else None
             dtype = dtype or getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
@@ -180,13 +195,22 @@ class SessionCache(Cache):
         super().__init__(layers=[SessionLayer(batch_size) for _ in range(self.num_layers)])
         self.sessions: list[Session] = []
         self._failed: BaseException | None = None
+        self._closed = False
+        self._staged_layer: int | None = None  # a layer whose update has not reached attnserve_attention yet
         group = uuid.uuid4().hex  # the batch's sessions share a group: one server process holds them all
         try:
             for i in range(batch_size):
                 self.sessions.append(client.create_session(self.num_kv_heads, self.head_dim, dtype,
                                                            layers=self.num_layers, session=f"{group}:{i}"))
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            if len(self.sessions) < batch_size:
+                # the server may have made the row that failed (a Ctrl-C before its answer was read)
+                self.sessions.append(Session(client, f"{group}:{len(self.sessions)}", self.num_layers,
+                                             self.num_kv_heads, self.head_dim, dtype_name(dtype)))
+            try:
+                self.close()
+            except Exception as error:
+                exc.add_note(f"SessionCache.close() also failed: {error!r}")
             raise
 
     @property
@@ -197,78 +221,142 @@ class SessionCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (B, Hkv, n, D) of layer ``layer_idx`` -> the same tensors, staged for the attention
         call that follows (which sends them to the server with the queries)."""
-        if self._failed is not None:
-            raise RuntimeError("this SessionCache's sessions no longer match the model's positions: "
-                               f"an earlier step failed ({self._failed!r}); make a new SessionCache")
-        if not self.sessions:
-            raise RuntimeError("this SessionCache is closed: its sessions are deleted")
+        self._check_usable()
+        found = getattr(self._model_config, "_attn_implementation", ATTN_IMPLEMENTATION)
+        if found != ATTN_IMPLEMENTATION:
+            raise RuntimeError(f"this SessionCache's model runs attention {found!r}, not {ATTN_IMPLEMENTATION!r}: "
+                               "its keys would never reach the sessions; call use_attnserve(model) first")
+        if self._staged_layer is not None:
+            self._fail(RuntimeError(f"the keys staged for layer {self._staged_layer} never reached attnserve "
+                                    "attention: the model's attention implementation is not attnserve "
+                                    "(use_attnserve(model)), or its forward stopped between the two"))
+        if layer_idx == 0 and len({layer.length for layer in self.layers}) > 1:
+            # layer 0 starts a forward: a forward that stopped between layers (an exception or a
+            # Ctrl-C outside the attention call) left its first layers longer than the others
+            self._fail(RuntimeError("a forward stopped between layers: the layers hold "
+                                    f"{[layer.length for layer in self.layers]} positions"))
         b, hkv, _, d = key_states.shape
         if b != self.batch_size:
             raise ValueError(f"the model's batch is {b} rows, the SessionCache was made for {self.batch_size} "
-                             "(with num_return_sequences = n, make it for the prompts' rows times n)")
+                             "(with num_return_sequences = n, make it for the prompts' rows times n; beam search "
+                             "is not supported)")
         if (hkv, d) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"keys (B, {hkv}, n, {d}) do not fit the sessions' (Hkv, D) = "
                              f"({self.num_kv_heads}, {self.head_dim})")
-        if key_states.dtype != self.dtype:
-            raise ValueError(f"the model's keys are {dtype_name(key_states.dtype)}, the sessions "
-                             f"{dtype_name(self.dtype)}: pass dtype= to SessionCache, or cast the model")
+        # under autocast the keys (RoPE's float32) and values (the projection's lower precision) may
+        # differ; _step sends both in the sessions' dtype, as autocast lets attention choose its own
+        if not torch.is_autocast_enabled(key_states.device.type):
+            for name, t in (("keys", key_states), ("values", value_states)):
+                if t.dtype != self.dtype:
+                    raise ValueError(f"the model's {name} are {dtype_name(t.dtype)}, the sessions "
+                                     f"{dtype_name(self.dtype)}: pass dtype= to SessionCache, or cast the model")
         past = self.layers[layer_idx].length
         keys, values = self.layers[layer_idx].update(key_states, value_states)
+        self._staged_layer = layer_idx
         _staged.entry = (self, layer_idx, keys, values, past)
         return keys, values
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The cached positions (pads included); raises once a step failed (they no longer match the
+        sessions), before transformers slices a prompt by them."""
+        self._check_usable()
+        return super().get_seq_length(layer_idx)
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError("this SessionCache's sessions no longer match the model's positions: "
+                               f"an earlier step failed ({self._failed!r}); make a new SessionCache")
+        if self._closed:
+            raise RuntimeError("this SessionCache is closed: its sessions are deleted")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the cache unusable for ``exc`` and raise as a later use would."""
+        self._failed = exc
+        self._check_usable()
+
     def close(self) -> None:
-        """Delete the sessions (an already ended one is not an error)."""
-        sessions, self.sessions = self.sessions, []
+        """Delete the sessions (an already ended one is not an error), then raise the first error. A
+        session leaves ``sessions`` once deleted: what an error or a Ctrl-C left there, a later
+        ``close()`` deletes. A delete that got no answer (a timeout, a refused connection, a server
+        unavailable) ends the close there: the others would each wait the client's timeout too."""
+        self._closed = True
         errors = []
-        for s in sessions:
+        for s in list(self.sessions):
             try:
                 s.delete(missing_ok=True)
-            except Exception as exc:  # every session gets its delete, then the first error is raised
+            except Exception as exc:
                 errors.append(exc)
+                if not _answered(exc):
+                    break
+            else:
+                self.sessions.remove(s)
         if errors:
             raise errors[0]
 
     def __enter__(self) -> SessionCache:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as error:  # the body's error is the one to see; close()'s rides along on it
+            exc.add_note(f"SessionCache.close() also failed: {error!r}; "
+                         f"{len(self.sessions)} sessions stay in .sessions")
 
     def _step(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               past: int, attention_mask: torch.Tensor | None, scaling: float | None,
               sliding_window: int | None = None) -> torch.Tensor:
         """q (B, Hq, n, D), k/v (B, Hkv, n, D) -> o (B, n, Hq, D): one packed step of every row that
-        has a real (not pad) new token; pad positions' o are zeros. ``sliding_window`` W: the step
-        has ``window_size=(W - 1, 0)`` (else ``(-1, -1)``)."""
+        has a real (not pad) new token, with ``window_size=(W - 1, 0)`` for ``sliding_window`` W (else
+        ``(-1, -1)``); then, for pads after a row's last real token (right padding), one q-only
+        non-causal packed step over all the row holds. Other pads' o are zeros."""
         layer = self.layers[layer_idx]
         b, hq, n, d = query.shape
-        # (B, n) bool: which positions are real
-        new = _new_tokens(attention_mask, b, n, past, layer.real, sliding_window)
-        q_lengths = new.sum(1).tolist()
-        rows = [i for i in range(b) if q_lengths[i] > 0]
+        # (B, n) bool each: which positions are real; which are pads after a row's last real token
+        new, tail = _new_tokens(attention_mask, b, n, past, layer.real, sliding_window)
         device = query.device
         out = torch.zeros(b, n, hq, d, dtype=query.dtype, device=device)
-        if not rows:  # every new position a pad: nothing to append, nothing to attend
-            return out
-        real = new.to(device)
-        # (B, n) boolean index over the (B, n, H, D) views packs each row's real tokens, in order
-        q = query.transpose(1, 2)[real].to("cpu", self.dtype)
-        k = keys.transpose(1, 2)[real].to("cpu")
-        v = values.transpose(1, 2)[real].to("cpu")
-        o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v, [q_lengths[i] for i in rows],
-                                    layer=layer_idx, scale=scaling,
-                                    window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0))
+        q_lengths = new.sum(1).tolist()
+        rows = [i for i in range(b) if q_lengths[i] > 0]
+        if rows:
+            real = new.to(device)
+            # (B, n) boolean index over the (B, n, H, D) views packs each row's real tokens, in order
+            q = query.transpose(1, 2)[real].to("cpu", self.dtype)
+            k = keys.transpose(1, 2)[real].to("cpu", self.dtype)
+            v = values.transpose(1, 2)[real].to("cpu", self.dtype)
+            o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v, [q_lengths[i] for i in rows],
+                                        layer=layer_idx, scale=scaling,
+                                        window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0))
+            out[real] = o.to(device, query.dtype)
         for i in range(b):
             layer.held[i] += q_lengths[i]
         layer.real = torch.cat([layer.real, new], 1)
-        out[real] = o.to(device, query.dtype)
+        t_lengths = tail.sum(1).tolist()
+        t_rows = [i for i in range(b) if t_lengths[i] > 0]
+        if t_rows:
+            pads = tail.to(device)
+            q = query.transpose(1, 2)[pads].to("cpu", self.dtype)
+            o = self.client.packed_step([self.sessions[i] for i in t_rows], q, None, None,
+                                        [t_lengths[i] for i in t_rows], layer=layer_idx, scale=scaling, causal=False)
+            out[pads] = o.to(device, query.dtype)
         return out
 
 
+def _answered(exc: BaseException) -> bool:
+    """Whether a failed call got the server's answer about it (a service error code), rather than none:
+    a transport error, a timeout, or a server unavailable (stopped, draining)."""
+    code = getattr(exc, "code", None)
+    return isinstance(code, str) and code not in ("unavailable", "deadline_exceeded")
+
+
 def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, past_real: torch.Tensor,
-                window: int | None = None) -> torch.Tensor:
-    """(B, n) bool: which of the n new positions of each row are real tokens (enter the session).
+                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new, tail), (B, n) bool each: ``new`` which of the n new positions of each row are real tokens
+    (enter the session); ``tail`` which are pads after the row's last real token (right padding),
+    with real tokens before them.
 
     ``past_real`` (B, past): which past positions entered the sessions (the layer's record). The
     mask (B or 1, 1 or H, n, past + n), bool (True: attend) or additive float (0 or very negative),
@@ -277,15 +365,18 @@ def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, 
     every real query row must see exactly the real positions up to its own; with ``window`` W, only
     the last W of them (its own included), counted in session positions (real tokens only), which is
     what the server's ``window_size=(W - 1, 0)`` attends. For left padding that is transformers'
-    sliding mask (key j visible to query i iff i - W < j <= i). Anything else (an attention bias,
-    another window, a bidirectional block, a mask whose real past positions are not the sessions')
-    raises."""
+    sliding mask (key j visible to query i iff i - W < j <= i). A ``tail`` pad's query row must see
+    every real token of its row (transformers' padding mask, within the window if that covers them):
+    the model predicts a right-padded row's next token there. Anything else (an attention bias,
+    another window, a bidirectional block, a mask whose real past positions are not the sessions',
+    a window that hides some of a tail pad's tokens) raises; pads elsewhere (left padding, holes)
+    are not checked: their outputs are zeros."""
     if attention_mask is None:  # plain causal: every position real
         if not bool(past_real.all()):
             held = past_real.sum(1).tolist()
             raise ValueError("no attention mask, but the sessions hold fewer tokens than the cache's length "
                              f"({held} of {past}): a padded prompt needs its attention_mask on every call")
-        return torch.ones(b, n, dtype=torch.bool)
+        return torch.ones(b, n, dtype=torch.bool), torch.zeros(b, n, dtype=torch.bool)
     mask = attention_mask.detach().cpu()
     if mask.ndim != 4 or mask.shape[-2] != n or mask.shape[-1] != past + n:
         raise NotImplementedError(f"attnserve needs a 4-D mask (B, 1, {n}, {past + n}); got {tuple(mask.shape)}")
@@ -312,8 +403,15 @@ def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, 
         seen = "causal attention" if window is None else f"causal attention in a sliding window of {window}"
         raise NotImplementedError(f"attnserve serves {seen} over a row's real tokens only (the tokens its session "
                                   "holds); the mask has another pattern (a window, a bidirectional block, a custom "
-                                  "mask, other pad positions)")
-    return new
+                                  "mask, other pad positions: on a sliding-window layer, pad on the left)")
+    later = new.flip(1).long().cumsum(1).flip(1) > new.long()  # (B, n): a real new token comes after
+    tail = ~new & ~later & (real.long().cumsum(1)[:, past:] > 0)
+    pads = tail[:, None, :, None].expand(-1, attend.shape[1], -1, past + n)
+    if not bool((attend == real[:, None, None, :]).logical_or(~pads).all()):
+        raise NotImplementedError("attnserve serves a pad after a row's last real token (right padding) as attention "
+                                  "over every real token of the row; this mask shows such a pad fewer (a sliding "
+                                  "window shorter than the padded row): pad on the left")
+    return new, tail
 
 
 def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -331,6 +429,7 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         raise RuntimeError('attn_implementation "attnserve" needs cache=SessionCache(...) '
                            "(and use_cache): no keys were staged for this attention call")
     cache, layer_idx, keys, values, past = entry
+    cache._staged_layer = None
     try:
         if keys is not key or values is not value:
             raise RuntimeError("the keys given to attnserve_attention are not the ones SessionCache.update staged "
@@ -339,11 +438,33 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         if getattr(module, "layer_idx", layer_idx) != layer_idx:
             raise RuntimeError(f"attention of layer {module.layer_idx} got the keys staged for layer {layer_idx}")
         window = _check_options(module, dropout, kwargs)
-        return cache._step(layer_idx, query, key, value, past, attention_mask, scaling, window), None
+
+        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return cache._step(layer_idx, q, k, v, past, attention_mask, scaling, window)
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            return _ServedAttention.apply(step, query, key, value), None
+        return step(query, key, value), None
     except BaseException as exc:
-        # the cache counted this layer's new tokens in update; they never reached the sessions
+        # the cache counted this layer's new tokens in update; the sessions may not hold them
         cache._failed = exc
         raise
+
+
+class _ServedAttention(torch.autograd.Function):
+    """o = step(q, k, v), the server's answer, as a node of the autograd graph whose backward raises:
+    without it a backward would pass over the attention silently, leaving q, k and v (and the
+    projections before them) without gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, step: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return step(query, key, value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        raise RuntimeError("attnserve attention has no backward: the server answers the forward only, so no "
+                           "gradient reaches the queries, keys and values; train with a local attention "
+                           '(model.set_attn_implementation("sdpa")), or run inference under torch.no_grad()')
 
 
 def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> int | None:

@@ -2,11 +2,18 @@
 by a real CPU server's sessions (service/client/transformers.py): greedy tokens identical to the
 local model's, over HTTP and gRPC; a left-padded batch row for row; session lengths; sessions
 deleted afterwards; the unsupported cases raise. Sliding-window models (a tiny Mistral, a Qwen2
-mixing sliding and full layers) on prompts longer than their window, the same way."""
+mixing sliding and full layers) on prompts longer than their window, the same way. Right padding;
+misuse (no attnserve attention, a backward), Ctrl-C mid-forward, mid-create and mid-close, and a
+server that stopped answering: a clear error, and no session left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -23,7 +30,7 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
-from service.client import AttentionClient, GrpcAttentionClient  # noqa: E402
+from service.client import AttentionClient, AttentionServiceError, GrpcAttentionClient  # noqa: E402
 from service.client.transformers import SessionCache, attnserve_attention, use_attnserve  # noqa: E402
 
 # head_dim 64 / 4 = 16, the warmed head dim; gRPC on (FAST turns it off)
@@ -279,3 +286,214 @@ def test_gpu_bf16_generate_with_a_real_layer_count(tmp_path):
             got = generate(served, ids, cache=cache)
         assert session_count(s) == 0
     assert torch.equal(got, want), (got, want)
+
+
+# ---- misuse, interrupts and failures ------------------------------------------------------------------------------
+
+
+def test_a_session_cache_without_attnserve_attention_raises(models, server, http):
+    """A SessionCache given to a model on sdpa (its keys would never reach the sessions) raises, made from
+    the model (at the first layer) or from its config (at the next layer's update), instead of generating
+    other tokens; ``use_attnserve`` on a model that cannot switch its attention (GPT-Neo) raises."""
+    local, _ = models
+    ids = prompt(8, seed=12)[None]
+    for source in (local, local.config):
+        with SessionCache(http, source, batch_size=1) as cache, pytest.raises(RuntimeError, match="attnserve"):
+            generate(local, ids, cache=cache)
+    assert session_count(server) == 0
+    neo = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+        vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
+        bos_token_id=1, eos_token_id=2)).eval()
+    with pytest.raises(NotImplementedError, match="attention implementation"):
+        use_attnserve(neo)
+
+
+def test_an_interrupt_between_layers_marks_the_cache_failed(models, server, http):
+    """A KeyboardInterrupt in layer 0's MLP, after layer 0's step reached the server, leaves the layers
+    at different lengths: the next forward on the cache raises "an earlier step failed" (one new token,
+    where no mask checks the lengths, and a shorter input) instead of attending to mismatched keys."""
+    _, served = models
+    armed = []
+
+    def interrupt(module, args, output):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt
+
+    hook = served.model.layers[0].mlp.register_forward_hook(interrupt)
+    try:
+        with SessionCache(http, served, batch_size=1) as cache:
+            first = generate(served, prompt(6, seed=13)[None], cache=cache)
+            more = torch.cat([first, prompt(3, seed=14)[None]], 1)
+            armed.append(True)
+            with pytest.raises(KeyboardInterrupt):
+                generate(served, more, cache=cache)
+            for ids in (torch.cat([more, prompt(1, seed=15)[None]], 1), more[:, :4]):
+                with pytest.raises(RuntimeError, match="an earlier step failed"):
+                    generate(served, ids, cache=cache)
+    finally:
+        hook.remove()
+    assert session_count(server) == 0
+
+
+def right_padded(lengths, seed):
+    """(ids, mask) of prompts of ``lengths`` tokens, right-padded to the longest."""
+    ids = torch.full((len(lengths), max(lengths)), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n], mask[i, :n] = prompt(n, seed=seed + i), 1
+    return ids, mask
+
+
+def test_a_right_padded_batch_equals_the_local_model(models, mistral, server, http):
+    """Right padding: a pad after a row's last real token attends to the tokens its session holds, as the
+    local model's pad does (the first new token of that row is predicted from it): tokens equal the local
+    model's, on a sliding-window model too while the row fits its window; a pad whose window would
+    hide some of its row's tokens raises."""
+    local, served = models
+    ids, mask = right_padded([9, 5], seed=16)
+    want = generate(local, ids, attention_mask=mask)
+    with SessionCache(http, served, batch_size=2) as cache:
+        got = generate(served, ids, attention_mask=mask, cache=cache)
+        assert [http.get_session(s)["lengths"] for s in cache.sessions] == [[9 + NEW - 1] * 2, [5 + NEW - 1] * 2]
+    assert torch.equal(got, want), (got, want)
+    local, served = mistral
+    ids, mask = right_padded([6, 3], seed=18)  # 6 + 2 new within the window of 8: every token in sight
+    with SessionCache(http, served, batch_size=2) as cache, torch.no_grad():
+        got = served.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(got, local.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False))
+    ids, mask = right_padded([14, 3], seed=20)  # the last pads of row 1 are more than 8 after its tokens
+    with SessionCache(http, served, batch_size=2) as cache, pytest.raises(NotImplementedError, match="right pad"):
+        generate(served, ids, attention_mask=mask, cache=cache)
+    assert session_count(server) == 0
+
+
+def test_a_backward_through_attnserve_attention_raises(models, http):
+    """The server's attention has no backward: in train mode (no dropout), ``loss.backward()`` raises
+    instead of leaving q/k/v projections without gradients; a forward with grad enabled still answers."""
+    local, served = models
+    ids = prompt(6, seed=22)[None]
+    with SessionCache(http, served, batch_size=1) as cache:
+        logits = served(ids, cache=cache).logits
+        with torch.no_grad():
+            assert torch.allclose(logits, local(ids).logits, atol=1e-5)
+        with pytest.raises(RuntimeError, match="no backward"):
+            logits.sum().backward()
+    trained = LlamaForCausalLM(copy.deepcopy(served.config)).train()
+    with SessionCache(http, trained, batch_size=1) as cache, pytest.raises(RuntimeError, match="no backward"):
+        trained(ids, labels=ids, cache=cache).loss.backward()
+
+
+class InterruptedClient(AttentionClient):
+    """A real client whose ``create_at``-th create is interrupted once the server has answered it, and
+    whose ``delete_at``-th delete is interrupted before it is sent (as a Ctrl-C landing there)."""
+
+    def __init__(self, *args, create_at=0, delete_at=0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.creates, self.deletes, self.create_at, self.delete_at = 0, 0, create_at, delete_at
+
+    def _create_session(self, fields, affinity):
+        info = super()._create_session(fields, affinity)
+        self.creates += 1
+        if self.creates == self.create_at:
+            raise KeyboardInterrupt
+        return info
+
+    def _delete_session(self, session, affinity):
+        self.deletes += 1
+        if self.deletes == self.delete_at:
+            raise KeyboardInterrupt
+        super()._delete_session(session, affinity)
+
+
+def test_an_interrupt_while_creating_or_closing_leaves_no_session(models, server):
+    """Ctrl-C after the server created a row's session, before the client read the answer: the failed
+    SessionCache deletes that session too. Ctrl-C during ``close()`` stops it; the sessions it did not
+    delete stay in ``cache.sessions``, and a second ``close()`` deletes them."""
+    _, served = models
+    with InterruptedClient(server.url, create_at=3) as client, pytest.raises(KeyboardInterrupt):
+        SessionCache(client, served, batch_size=5)
+    assert session_count(server) == 0
+    with InterruptedClient(server.url, delete_at=2) as client:
+        cache = SessionCache(client, served, batch_size=5)
+        with pytest.raises(KeyboardInterrupt):
+            cache.close()
+        assert len(cache.sessions) == 4  # the first deleted, the interrupted one and the rest kept
+        cache.close()
+        assert cache.sessions == []
+    assert session_count(server) == 0
+
+
+@contextlib.contextmanager
+def stopped(server):
+    """The server process stopped (SIGSTOP: it takes connections and answers nothing), then resumed."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def test_close_against_a_server_that_stopped_answering(models, server):
+    """A server that stopped answering: ``close()`` of 4 rows returns after one client timeout (its first
+    delete got no answer), not one per row, keeping the sessions it did not delete, which a later
+    ``close()`` deletes. A Ctrl-C while it waits keeps them too."""
+    _, served = models
+    with GrpcAttentionClient(server.grpc_target, timeout=1.0) as client:
+        cache = SessionCache(client, served, batch_size=4)
+        with stopped(server):
+            start = time.monotonic()
+            with pytest.raises(AttentionServiceError, match="deadline"):
+                cache.close()
+            assert time.monotonic() - start < 2.5
+        assert len(cache.sessions) == 4
+        cache.close()
+    assert session_count(server) == 0
+    with AttentionClient(server.url, timeout=5.0) as client:
+        cache = SessionCache(client, served, batch_size=3)
+        main = threading.get_ident()
+        with stopped(server):
+            timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+            timer.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    cache.close()
+            finally:
+                timer.cancel()  # no Ctrl-C may land after the test
+            assert len(cache.sessions) == 3
+        cache.close()
+    assert session_count(server) == 0
+
+
+def test_leaving_the_with_block_keeps_the_body_error(models, server, http):
+    """An error in the ``with`` body reaches the caller even when ``close()`` then fails too (here the
+    client's channel is closed); close()'s error is a note on it, and the sessions stay listed."""
+    _, served = models
+    client = GrpcAttentionClient(server.grpc_target, timeout=60.0)
+    with pytest.raises(KeyError, match="the real cause") as raised:
+        with SessionCache(client, served, batch_size=2) as cache:
+            ids = [s.id for s in cache.sessions]
+            client.close()
+            raise KeyError("the real cause")
+    assert any("close()" in note for note in getattr(raised.value, "__notes__", [])), raised.value
+    for sid in ids:
+        http.delete_session(sid)
+    assert session_count(server) == 0
+
+
+def test_a_session_cache_refuses_an_empty_batch_and_serves_autocast(models, server, http):
+    """``batch_size`` 0 or -1 is a clear ValueError before any session is made. Under
+    ``torch.autocast(bfloat16)`` (an fp32 model's values come out bf16, its keys fp32 after RoPE) the
+    keys and values are sent in the sessions' dtype: tokens equal the local model's under autocast."""
+    local, served = models
+    for rows in (0, -1):
+        with pytest.raises(ValueError, match="batch_size"):
+            SessionCache(http, served, batch_size=rows)
+    ids = prompt(7, seed=24)[None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = generate(local, ids)
+        with SessionCache(http, served, batch_size=1) as cache:
+            got = generate(served, ids, cache=cache)
+    assert torch.equal(got, want), (got, want)
+    assert session_count(server) == 0
