@@ -198,6 +198,11 @@ class SessionManager:
     def create(self, session: str | None = None, layers: int = 1, num_kv_heads: int = 0, head_dim: int = 0,
                dtype: str | torch.dtype = "float16") -> dict[str, Any]:
         """A new session (no pages yet: they are taken as it grows); its description."""
+        return self._info(self.create_session(session, layers, num_kv_heads, head_dim, dtype))
+
+    def create_session(self, session: str | None = None, layers: int = 1, num_kv_heads: int = 0,
+                       head_dim: int = 0, dtype: str | torch.dtype = "float16") -> Session:
+        """``create``, giving the session itself: what ``delete(..., only=)`` takes."""
         self._accepting()
         for name, value in (("layers", layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -221,7 +226,7 @@ class SessionManager:
         g = self._geometries.setdefault(g, g)  # one object per geometry: a step's checks compare identities
         s = Session(sid, worker, g, [SequenceKV() for _ in range(layers)])
         self.table.add(s)
-        return self._info(s)
+        return s
 
     def _check_fits(self, g: Geometry) -> None:
         """507 for a geometry whose one page is more than a worker's whole cache: such a session
@@ -245,7 +250,11 @@ class SessionManager:
             "sessions": list(self.table.sessions),
         }
 
-    async def delete(self, session: str) -> None:
+    async def delete(self, session: str, only: Session | None = None) -> None:
+        """End a session; with ``only``, only while its id still names that session: a failed start's
+        cleanup (the OIP's sequence_start) must not end a session another caller made under that id since."""
+        if only is not None and self.table.sessions.get(session) is not only:
+            return
         await self._release(session)
 
     def _info(self, s: Session) -> dict[str, Any]:

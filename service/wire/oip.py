@@ -329,12 +329,12 @@ async def infer(engine: Any, call: Call) -> dict[str, torch.Tensor]:
     """Run ``call`` on the engine: output name -> tensor, for the outputs it sends."""
     if isinstance(call.request, SessionStep):
         if call.create is not None:
-            engine.sessions.create(**call.create)  # 409 / ALREADY_EXISTS for a live id
+            created = engine.sessions.create_session(**call.create)  # 409 / ALREADY_EXISTS for a live id
             try:
                 res = await engine.sessions.step(call.request)
             except BaseException:  # a start that failed, or whose caller went away, leaves no session behind
                 with contextlib.suppress(NotFound):
-                    await asyncio.shield(engine.sessions.delete(call.create["session"]))
+                    await asyncio.shield(engine.sessions.delete(call.create["session"], only=created))
                 raise
         else:
             res = await engine.sessions.step(call.request)

@@ -215,6 +215,37 @@ def test_ready_only_after_start_and_not_while_draining():
     asyncio.run(main())
 
 
+def test_a_failed_oip_sequence_start_ends_only_the_session_it_made():
+    """A sequence_start queued behind other work; meanwhile another caller ends its session and
+    makes a new one under the same id. The start's step then fails (its session ended), and its
+    cleanup leaves the other caller's session alone (it once deleted by id)."""
+    from service.wire import oip
+
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        try:
+            busy = asyncio.ensure_future(engine.sessions.schedulers[0].run(lambda cache: time.sleep(0.3)))
+            q, k, v = qkv(nq=2, nk=2)
+            call = oip.build_call(oip.find_model(engine, "attention", ""), {"q": q, "k": k, "v": v},
+                                  {"sequence_id": "seq", "sequence_start": True}, None,
+                                  request_id="r", deadline=time.monotonic() + 30)
+            start = asyncio.ensure_future(oip.infer(engine, call))
+            await asyncio.sleep(0.05)
+            assert not start.done()  # its step is queued behind busy
+            ending = asyncio.ensure_future(engine.sessions.delete("seq"))
+            await asyncio.sleep(0)
+            other = engine.sessions.create(session="seq", num_kv_heads=2, head_dim=16, dtype="float32")
+            with pytest.raises(errors.NotFound):
+                await start
+            await asyncio.gather(busy, ending)
+            assert engine.sessions.describe("seq")["session"] == other["session"]
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_a_session_ended_while_the_server_drains_is_ended_not_an_internal_error():
     """DELETE after the drain has stopped the workers' launcher threads (the HTTP and gRPC servers
     still answer then): the session ends (404 afterwards), no 'cannot schedule new futures'."""
