@@ -153,7 +153,7 @@ TILE_SHAPES = [("bfloat16", 1, 32, 32, 4096, 4096, 128, False), ("bfloat16", 1, 
 def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
     """Each of ``TILE_CHOICES`` in turn for the shapes' tile D, with and without its consumers taking
     turns (``hopper.GLUON_PINGPONG``), beside the shipped dispatch (``shipped``: for D 64 the Triton
-    kernels), TFLOP/s as ``bench_heads``'."""
+    kernels) and cuDNN, TFLOP/s as ``bench_heads``'."""
     from kernels import hopper
 
     results = []
@@ -177,6 +177,8 @@ def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
             restore()
             ms, _, _ = timed(_fn("flash", n_q, n_k), sets, causal, rep=rep)
             row["shipped"] = round(flops / ms / 1e9)
+            ms, _, _ = timed(_fn("sdpa_cudnn", n_q, n_k), sets, causal, rep=rep)
+            row["sdpa_cudnn"] = round(flops / ms / 1e9)
             hopper.GLUON_MIN_D = min(kept_min_d, box)
             for tile in TILE_CHOICES[box]:
                 for pingpong in (False, True):

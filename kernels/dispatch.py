@@ -43,10 +43,15 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_refusal(device_type: str, interpret: bool) -> str | None:
-    """Why the Triton kernels cannot run on ``device_type``, or None when they can."""
-    if device_type == "cuda" or (device_type == "cpu" and interpret):
+INTERPRETER_BF16 = "bfloat16 is computed wrongly by the Triton interpreter"
+
+
+def triton_refusal(device_type: str, interpret: bool, dtype: torch.dtype | None = None) -> str | None:
+    """Why the Triton kernels cannot run on ``device_type`` in ``dtype``, or None when they can."""
+    if device_type == "cuda":
         return None
+    if device_type == "cpu" and interpret:
+        return INTERPRETER_BF16 if dtype == torch.bfloat16 else None
     return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU); inputs are on {device_type}"
 
 
@@ -85,9 +90,7 @@ CPU_MASKED = "torch's CPU flash kernel takes no window, cap or bias: the blockwi
 
 def _auto(device_type: str, dtype: torch.dtype, interpret: bool, masked: bool) -> tuple[str, dict[str, str]]:
     refused = {"reference": "materialises the Nq x Nk score matrix (O(N^2) memory)"}
-    t_refusal = triton_refusal(device_type, interpret)
-    if t_refusal is None and device_type == "cpu" and dtype == torch.bfloat16:
-        t_refusal = "bfloat16 is computed wrongly by the Triton interpreter"
+    t_refusal = triton_refusal(device_type, interpret, dtype)
     if t_refusal is not None:
         refused["flash"] = t_refusal
         refused["flash_v1"] = V1_NO_MASKS if masked else t_refusal
@@ -116,7 +119,7 @@ def _choose(device_type: str, dtype: torch.dtype, kernel: str, interpret: bool, 
     if kernel == "flash_v1" and masked:
         raise KernelUnavailableError(f"kernel 'flash_v1' cannot run this call: {V1_NO_MASKS}")
     if kernel in ("flash", "flash_v1"):
-        refusal = triton_refusal(device_type, interpret)
+        refusal = triton_refusal(device_type, interpret, dtype)
         if refusal:
             raise KernelUnavailableError(f"kernel {kernel!r} cannot run: {refusal}")
         return Choice(kernel, _load(kernel), {})

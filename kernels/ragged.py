@@ -691,13 +691,11 @@ def _choose(what: str, device_type: str, dtype: torch.dtype, kernel: str, interp
                                      f"choose one of {', '.join(RAGGED_KERNELS)}")
     if kernel == "reference":
         return "reference"
-    refusal = triton_refusal(device_type, interpret)
+    refusal = triton_refusal(device_type, interpret, dtype)
     if kernel == "flash":
         if refusal:
             raise KernelUnavailableError(f"kernel 'flash' cannot run: {refusal}")
         return "flash"
-    if refusal is None and device_type == "cpu" and dtype == torch.bfloat16:
-        refusal = "bfloat16 is computed wrongly by the Triton interpreter"
     name = "reference" if refusal else "flash"
     refused = {"flash": refusal} if refusal else {
         "reference": "one PyTorch call per sequence (S launches, no paged reads)"}

@@ -192,7 +192,9 @@ _END = object()
 async def run_concurrently(requests: AsyncIterator, handle: Callable[[int, object], Awaitable[object]],
                            window: int) -> AsyncIterator:
     """Yield ``await handle(i, request)`` for each request of the stream, concurrently, in completion
-    order. At most ``window`` calls are in flight. ``handle`` answers a failed call itself (in-band,
+    order. At most ``window`` calls are in flight or answered and not yet taken: a slot frees when
+    the transport asks for the next answer, so a client that reads no answers stops the reading of
+    its requests (and the answers it leaves do not pile up). ``handle`` answers a failed call itself (in-band,
     as AttendStream and ModelStreamInfer do); an exception it lets out ends the stream at once. An
     exception of ``requests`` (a message that does not parse) ends the stream after the calls
     already taken have been answered."""
@@ -205,8 +207,6 @@ async def run_concurrently(requests: AsyncIterator, handle: Callable[[int, objec
             done.put_nowait((await handle(i, request), None))
         except Exception as exc:
             done.put_nowait((None, exc))
-        finally:
-            slots.release()
 
     async def read() -> None:
         try:
@@ -232,6 +232,7 @@ async def run_concurrently(requests: AsyncIterator, handle: Callable[[int, objec
             if exc is not None:
                 raise exc
             yield result
+            slots.release()  # the transport took the answer (grpc.aio asks again once it is written)
     finally:
         reader.cancel()
         for task in list(tasks):

@@ -253,9 +253,7 @@ class SessionManager:
     async def delete(self, session: str, only: Session | None = None) -> None:
         """End a session; with ``only``, only while its id still names that session: a failed start's
         cleanup (the OIP's sequence_start) must not end a session another caller made under that id since."""
-        if only is not None and self.table.sessions.get(session) is not only:
-            return
-        await self._release(session)
+        await self._release(session, only)
 
     def _info(self, s: Session) -> dict[str, Any]:
         cache = self.caches[s.worker]
@@ -272,9 +270,11 @@ class SessionManager:
             "device": self.workers[s.worker].name,
         }
 
-    async def _release(self, session: str) -> None:
+    async def _release(self, session: str, only: Session | None = None) -> None:
         """End a session now (404 from here on) and return its pages, after the launches already
-        enqueued on its worker."""
+        enqueued on its worker; with ``only``, only while its id still names that session."""
+        if only is not None and self.table.sessions.get(session) is not only:
+            return
         s = self.table.pop(session)
         self.activity += 1
         if self._stopped:  # draining: no launch is left to order after, and the pages go with the process
@@ -377,14 +377,16 @@ class SessionManager:
             self.held -= 1
             self.activity += 1
         self._success.inc()
-        if step.end:
-            for sid in step.sessions:
-                with contextlib.suppress(NotFound):  # deleted meanwhile
-                    await self._release(sid)
+        if step.end:  # the sessions it ran on: one deleted meanwhile, its id taken again, is another's
+            for seq in (seq for w in works for seq in w.seqs):
+                with contextlib.suppress(NotFound):
+                    await self._release(seq.session.id, seq.session)
         return result
 
     def _assemble(self, step: SessionStep, works: list[Work], outcomes: list) -> SessionResult:
-        lengths_of = {seq.session.id: seq.kv.length for w in works for seq in w.seqs}
+        new = step.k is not None  # (from what was held before: a DELETE after the launch may have released it since)
+        lengths_of = {seq.session.id: c + (seq.rows[1] - seq.rows[0] if new else 0)
+                      for w in works for seq, c in zip(w.seqs, w.before, strict=True)}
         lengths = [lengths_of[sid] for sid in step.sessions]
         stamps = max((o[2] for o in outcomes), key=lambda st: st[3])  # the part that finished last
         if len(works) == 1 and [s.session.id for s in works[0].seqs] == list(step.sessions):

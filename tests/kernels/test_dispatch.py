@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import dispatch
+from kernels import dispatch, ragged
 from kernels.errors import KernelUnavailableError
 from kernels.reference import cpu_attention, reference_attention
 from kernels.spec import AttnSpec
@@ -70,6 +70,17 @@ def test_auto_refuses_bf16_under_the_interpreter(interpreter):
     choice = dispatch.choose(spec("cpu", torch.bfloat16))
     assert choice.name == "cpu"
     assert "interpreter" in choice.refused["flash"]
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash_v1"])
+def test_explicit_triton_kernel_in_bf16_under_the_interpreter_is_refused(kernel, interpreter):
+    """Asked for by name, a Triton kernel in bfloat16 under the interpreter is refused as "auto"
+    passes it over (it once answered numbers off by ~1e8)."""
+    q = torch.randn(1, 2, 8, 16).bfloat16()
+    with pytest.raises(KernelUnavailableError, match="bfloat16 is computed wrongly"):
+        kernels.attention(q, q, q, kernel=kernel)
+    with pytest.raises(KernelUnavailableError, match="bfloat16 is computed wrongly"):
+        ragged.choose_ragged("paged", torch.device("cpu"), torch.bfloat16, "flash")
 
 
 def test_explicit_triton_kernel_on_cpu_without_interpreter_is_refused(no_interpreter):

@@ -246,6 +246,46 @@ def test_a_failed_oip_sequence_start_ends_only_the_session_it_made():
     asyncio.run(main())
 
 
+def test_a_step_that_ends_its_session_leaves_a_new_session_of_that_id_alone(monkeypatch):
+    """A step with ``end`` is in its launch (a slow kernel); meanwhile a DELETE ends its session
+    (the id is free at once) and another caller makes a new one under that id. The step answers
+    (it was ordered before the delete) and its ``end`` ends only the session it ran on (it once
+    ended whatever the id named by then)."""
+    from service.sessions import SessionStep
+
+    paged = kernels.attention_paged
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return paged(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attention_paged", slow)
+
+    async def main():
+        engine = Engine(cpu_settings(session_inline_rows=0))
+        await engine.start()
+        try:
+            sessions = engine.sessions
+            sessions.create(session="seq", num_kv_heads=2, head_dim=16, dtype="float32")
+            q, k, v = qkv(nq=2, nk=2)
+            step = asyncio.ensure_future(sessions.step(SessionStep.single("seq", q, k, v, end=True)))
+            await asyncio.sleep(0.1)
+            assert not step.done()  # in its launch
+            ending = asyncio.ensure_future(sessions.delete("seq"))
+            await asyncio.sleep(0)
+            other = sessions.create(session="seq", num_kv_heads=2, head_dim=16, dtype="float32")
+            assert (await step).lengths == [2]
+            await ending
+            assert sessions.describe("seq")["lengths"] == other["lengths"] == [0]
+            assert sessions.list()["count"] == 1
+            await sessions.delete("seq")
+            assert sessions.list()["kv_bytes_used"] == 0
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_a_session_ended_while_the_server_drains_is_ended_not_an_internal_error():
     """DELETE after the drain has stopped the workers' launcher threads (the HTTP and gRPC servers
     still answer then): the session ends (404 afterwards), no 'cannot schedule new futures'."""

@@ -291,6 +291,33 @@ def test_stream_queue_full_in_band(strict):
     assert o.shape == q.shape and torch.isfinite(o).all()
 
 
+def test_stream_whose_answers_are_not_read_stops_being_read(server, stub):
+    """A client that sends 400 calls on one AttendStream (384 KiB in, 128 KiB out) and reads no
+    answer: the server reads its window (64) and what HTTP/2's buffers hold, then stops (it once
+    freed a slot when a call finished, read all 400 and kept their answers). Then the stream is
+    cancelled and the server answers the next call."""
+    q, k, v = make_qkv((1, 1, 1, 2048, 2048, 16), torch.float32, seed=3)
+    message = attend_msg(q, k, v, kernel="reference")
+    drawn = [0]
+
+    def requests():
+        for _ in range(400):
+            drawn[0] += 1
+            yield message
+
+    call = stub.AttendStream(requests(), timeout=120)
+    last, still = -1, 0
+    for _ in range(300):  # until the count holds for 1.5 s (it stops, or reaches 400 without the push-back)
+        time.sleep(0.05)
+        still = still + 1 if drawn[0] == last else 0
+        last = drawn[0]
+        if still == 30 or last == 400:
+            break
+    call.cancel()
+    assert last < 200, f"the server read {last} of 400 calls whose answers were not read"
+    assert_close_to_reference(tensor_from_pb(stub.Attend(message, timeout=60), "o"), q, k, v)
+
+
 # ---------------------------------------------------------------- layers
 
 
