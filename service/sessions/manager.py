@@ -25,6 +25,7 @@ the step's sessions once it succeeded; a failed step keeps them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -222,7 +223,9 @@ class SessionManager:
         g = Geometry(num_kv_heads, head_dim, dtype)
         self._check_fits(g)
         sid = self.table.new_id(session)
-        worker = max(range(len(self.workers)), key=lambda i: (self.caches[i].free_bytes, -i))
+        held = collections.Counter(x.worker for x in self.table.sessions.values())
+        # the most free cache, then the fewest sessions: a burst of new sessions (no pages yet) spreads
+        worker = max(range(len(self.workers)), key=lambda i: (self.caches[i].free_bytes, -held[i], -i))
         g = self._geometries.setdefault(g, g)  # one object per geometry: a step's checks compare identities
         s = Session(sid, worker, g, [SequenceKV() for _ in range(layers)])
         self.table.add(s)

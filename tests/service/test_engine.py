@@ -286,6 +286,23 @@ def test_a_step_that_ends_its_session_leaves_a_new_session_of_that_id_alone(monk
     asyncio.run(main())
 
 
+def test_new_sessions_spread_over_the_workers():
+    """Eight sessions made at once on two workers (no pages taken yet, so both caches are as free):
+    four on each (every one went to the first worker while the caches stayed equal)."""
+
+    async def main():
+        engine = Engine(cpu_settings(device="cpu,cpu"))
+        await engine.start()
+        try:
+            made = [engine.sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"] for _ in range(8)]
+            workers = [engine.sessions.table.sessions[sid].worker for sid in made]
+            assert sorted(workers) == [0, 0, 0, 0, 1, 1, 1, 1]
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
 def test_a_session_ended_while_the_server_drains_is_ended_not_an_internal_error():
     """DELETE after the drain has stopped the workers' launcher threads (the HTTP and gRPC servers
     still answer then): the session ends (404 afterwards), no 'cannot schedule new futures'."""
