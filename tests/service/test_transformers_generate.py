@@ -29,6 +29,7 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.generation.utils import ALL_CACHE_NAMES  # noqa: E402
 
 from service.client import AttentionClient, AttentionServiceError, GrpcAttentionClient  # noqa: E402
 from service.client.transformers import SessionCache, attnserve_attention, use_attnserve  # noqa: E402
@@ -110,8 +111,15 @@ def prompt(n, seed):
     return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+# generate()'s name for the cache: ``cache`` from transformers 5 (the pinned one), ``past_key_values``
+# before (the GPU image's)
+CACHE_KW = ALL_CACHE_NAMES[0]
+
+
 @torch.no_grad()
 def generate(model, ids, **kwargs):
+    if "cache" in kwargs:
+        kwargs[CACHE_KW] = kwargs.pop("cache")
     return model.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
 
 
@@ -360,7 +368,7 @@ def test_a_right_padded_batch_equals_the_local_model(models, mistral, server, ht
     local, served = mistral
     ids, mask = right_padded([6, 3], seed=18)  # 6 + 2 new within the window of 8: every token in sight
     with SessionCache(http, served, batch_size=2) as cache, torch.no_grad():
-        got = served.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False)
+        got = served.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, **{CACHE_KW: cache})
     with torch.no_grad():
         assert torch.equal(got, local.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False))
     ids, mask = right_padded([14, 3], seed=20)  # the last pads of row 1 are more than 8 after its tokens
