@@ -4,6 +4,9 @@ The options are read before the server's modules are imported, so that a serving
 its GPUs (``open_devices_early``) while the rest of the service imports.
 """
 
+import contextlib
+import os
+import signal
 import sys
 import threading
 
@@ -38,14 +41,34 @@ def open_devices_early(settings: Settings) -> threading.Thread:
     return thread
 
 
+def die_with_supervisor() -> None:
+    """A process of ``--processes`` gets SIGTERM (and drains) when its supervisor dies, even by
+    SIGKILL: left running it would keep serving the ports, and a restart could not bind them."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # Linux only
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def quiet_interrupt(signum, frame) -> None:
+    """Ctrl-C before the server installs its own handlers (imports, loading layers): exit 130
+    without a traceback; the server's handlers replace this one once it runs."""
+    sys.stderr.write("interrupted while starting\n")
+    os._exit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, quiet_interrupt)
     try:
         settings = load_settings(sys.argv[1:])
     except ValidationError as exc:  # a usage error, not a traceback
-        problems = "; ".join(
-            f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+        problems = "; ".join(  # (an error of several options together has no option of its own)
+            (f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: " if e["loc"] else "")
+            + e["msg"].removeprefix("Value error, ") for e in exc.errors()
         )
         build_parser().error(problems)
+    if settings.peers is not None:
+        die_with_supervisor()
     if settings.device.strip().lower() != "cpu":
         open_devices_early(settings)
     from service.server import main

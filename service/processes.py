@@ -105,6 +105,15 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     except OSError as exc:
         log.error("cannot bind HTTP %s:%d: %s", settings.host, settings.http_port, exc)
         return 1
+    if settings.grpc_port:  # the processes bind it with SO_REUSEPORT: a plain bind first, as for HTTP
+        try:
+            socket.create_server((settings.host, settings.grpc_port),
+                                 family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET).close()
+        except OSError as exc:
+            for listener in listeners:
+                listener.close()
+            log.error("cannot bind gRPC %s:%d: %s", settings.host, settings.grpc_port, exc.strerror or exc)
+            return 1
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
     peers_dir = tempfile.mkdtemp(prefix="attnserve-peers-")  # 0700: each process's private sockets
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 
 import uvicorn
@@ -146,7 +148,14 @@ async def serve(settings: Settings) -> int:
     if settings.grpc_port:
         from service.grpc.server import create_server
 
-        grpc_server = create_server(engine, settings)
+        try:
+            grpc_server = create_server(engine, settings)
+        except OSError as exc:
+            log.error("%s", exc)
+            start_task.cancel()
+            await asyncio.gather(start_task, return_exceptions=True)
+            await engine.drain()
+            return 1
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -176,14 +185,23 @@ async def serve(settings: Settings) -> int:
             exit_code = 1
             break
 
-    log.info("shutting down: draining held requests")
     stop_task.cancel()
     for task in (trim_task, refresh_task):
         if task is not None:
             task.cancel()
-    if not start_task.done():  # stopped while warming up: nothing was accepted yet
+    if not start_task.done():  # stopped while warming up: nothing was accepted yet (not ready)
+        # the warm-up runs on the workers' threads and cannot be interrupted; a cold one takes
+        # minutes, past an orchestrator's grace period: stop the servers and leave without it
+        log.info("stopped while warming up: exiting without waiting for the warm-up")
         start_task.cancel()
         await asyncio.gather(start_task, return_exceptions=True)
+        if grpc_server is not None:
+            await grpc_server.stop(0)
+        http.should_exit = True
+        await http_task
+        _LEFT_WARMING.set()
+        return exit_code
+    log.info("shutting down: draining held requests")
     await engine.drain()  # not-ready from here; everything accepted is answered
     if grpc_server is not None:
         from service.grpc.server import shutdown
@@ -193,6 +211,9 @@ async def serve(settings: Settings) -> int:
     await http_task
     log.info("stopped")
     return exit_code
+
+
+_LEFT_WARMING = threading.Event()  # serve() stopped while the workers were still warming up
 
 
 def main(settings: Settings, argv: Sequence[str] = ()) -> None:
@@ -208,7 +229,11 @@ def main(settings: Settings, argv: Sequence[str] = ()) -> None:
     )
     if processes > 1:
         sys.exit(supervise(settings, argv, processes))
-    sys.exit(_run(serve(settings), settings.uvloop))
+    code = _run(serve(settings), settings.uvloop)
+    if _LEFT_WARMING.is_set():  # the warm-up's threads are not waited for (interpreter exit joins them)
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _run(main_coroutine, use_uvloop: bool) -> int:

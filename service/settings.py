@@ -10,12 +10,15 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="forbid")
+    # inf and nan are no sizes or durations (an inf --max-body-mb overflowed at start)
+    model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="forbid", allow_inf_nan=False)
 
     host: str = Field("0.0.0.0", description="address to bind HTTP and gRPC to")
     http_port: int = Field(
@@ -129,7 +132,8 @@ class Settings(BaseSettings):
     api_key: str | None = Field(
         None,
         description="if set, every call except health probes needs "
-        "'Authorization: Bearer KEY' or 'X-API-Key'",
+        "'Authorization: Bearer KEY' or 'X-API-Key' (surrounding whitespace is not part of the key; "
+        "empty: no key)",
     )
     warmup_shapes: str = Field(
         "1x8x128x64,1x8x1024x64,1x32x1024x128,1x32x4096x128",
@@ -170,7 +174,8 @@ class Settings(BaseSettings):
         10.0, ge=0,
         description="after this many seconds without requests, hand the memory kept from big request "
         "bodies back to the OS (kept while requests come, for reuse: see --max-body-mb), and the free "
-        "blocks torch keeps cached on each GPU (an ended session's KV pages) back to the card; 0 keeps them",
+        "blocks torch keeps cached on each GPU (an ended session's KV pages) back to the card; 0 keeps them "
+        "(else at least 0.1: the check runs this often)",
     )
     tune_allocator: bool = Field(
         True,
@@ -209,13 +214,40 @@ class Settings(BaseSettings):
         "no other step queued, none accepted in the last 0.25 ms) runs at once on the event loop, which "
         "waits for the device: no hand-offs to the worker's threads; steps in bursts batch as usual; 0: never",
     )
-    log_level: str = Field("info", description="logging level")
+    log_level: str = Field("info", description=f"logging level: {', '.join(LOG_LEVELS)}")
     access_log: bool = Field(
         False,
         description="log one line per HTTP request (uvicorn's access log); off by default, like Triton "
         "Inference Server's: each line costs the event loop time on every call, and /metrics counts "
         "requests by route and status",
     )
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = {"warn": "warning", "fatal": "critical"}.get(value.strip().lower(), value.strip().lower())
+        if level not in LOG_LEVELS:
+            raise ValueError(f"unknown logging level {value!r}; choose {', '.join(LOG_LEVELS)}")
+        return level
+
+    @field_validator("api_key")
+    @classmethod
+    def _stripped_key(cls, value: str | None) -> str | None:
+        """A key read from a file or a secret often ends in a newline no client sends."""
+        return None if value is None else value.strip()
+
+    @field_validator("memory_trim_idle_s")
+    @classmethod
+    def _trim_period(cls, value: float) -> float:
+        if 0 < value < 0.1:
+            raise ValueError(f"must be 0 (off) or at least 0.1 seconds, got {value:g}")
+        return value
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> Settings:
+        if self.grpc_port and self.grpc_port == self.http_port and self.http_fd is None:
+            raise ValueError(f"--http-port and --grpc-port are both {self.http_port}; give them different ports")
+        return self
 
     @field_validator("layer", mode="before")
     @classmethod

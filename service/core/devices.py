@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.spec import MAX_HEAD_DIM
 from service.core.types import AttentionRequest, LayerRequest
 from service.wire.tensors import FLOAT_DTYPES
 
@@ -46,6 +47,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
                 dims = ()
             if len(dims) != 4 or min(dims) < 1:
                 raise ValueError(f"warm-up shape {part.strip()!r} must be BxHxNxD, four positive integers")
+            if dims[3] > MAX_HEAD_DIM:
+                raise ValueError(f"warm-up shape {part.strip()!r}: head dim {dims[3]} is over {MAX_HEAD_DIM}, "
+                                 "the largest the kernels serve")
             shapes.append(dims)
     return shapes
 

@@ -14,6 +14,7 @@ carries many.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -339,6 +340,9 @@ def create_server(engine, settings: Settings) -> grpc.aio.Server:
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            # grpc binds with SO_REUSEPORT by default: a second server on the port would share it
+            # silently; only the processes of one --processes server share it (service/processes.py)
+            ("grpc.so_reuseport", 1 if settings.peers else 0),
         ],
     )
     ours = _Registering(server, interceptor)
@@ -350,10 +354,22 @@ def create_server(engine, settings: Settings) -> grpc.aio.Server:
     )
     address = f"[{settings.host}]:{settings.grpc_port}" if ":" in settings.host else \
         f"{settings.host}:{settings.grpc_port}"
-    server.add_insecure_port(address)
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError:  # grpc says only "Failed to bind": a plain bind says why
+        raise OSError(f"cannot bind gRPC {address}: {bind_error(settings.host, settings.grpc_port)}") from None
     routing.add_grpc_port(server, settings)  # under --processes: the private socket other processes forward to
     server.attnserve_rpcs = interceptor  # for shutdown()
     return server
+
+
+def bind_error(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound (in use, a privileged port, an address not this host's)."""
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "grpc could not bind it"
 
 
 async def shutdown(server: grpc.aio.Server, grace: float) -> None:

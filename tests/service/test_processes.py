@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -149,6 +150,29 @@ def test_a_process_that_dies_stops_the_others(tmp_path):
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{second}"), "the other process was left running"
         assert "exited with code" in srv.log()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_processes_stop_when_their_supervisor_is_killed(tmp_path):
+    """SIGKILL of the supervisor (no chance to forward anything): its processes get SIGTERM from
+    the kernel and exit (they once kept serving the ports, and a restart could not bind them)."""
+    with run_server(tmp_path, "--processes", "2", "--warmup-shapes", "1x1x8x8") as srv:
+        workers = children(srv.proc.pid)
+        assert len(workers) == 2, srv.log()
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in workers), srv.log()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_sampled_gauges_reach_the_shared_metrics(tmp_path):

@@ -4,14 +4,19 @@ protocol (bodies gathered, bodies read straight into one buffer), keep-alive, th
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, run_server
+from tests.conftest import FAST, ROOT, free_port, run_server
 
 
 def test_broken_layer_stops_startup_with_a_clear_message(tmp_path):
@@ -69,6 +74,57 @@ def _taken_port(how: str) -> Iterator[int]:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         yield busy.getsockname()[1]
+
+
+def test_busy_grpc_port_stops_the_process_with_the_reason(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with run_server(tmp_path, "--grpc-port", str(port), wait_ready=False) as server:
+            assert server.proc.wait(timeout=90) == 1
+            log = server.log()
+            assert f"cannot bind gRPC 127.0.0.1:{port}: Address already in use" in log, log
+            assert "Traceback" not in log
+
+
+def test_a_second_server_cannot_share_the_grpc_port(tmp_path):
+    """grpc binds with SO_REUSEPORT unless told not to: a second server (here without the first's
+    API key) once shared the port, and channels landed on either server."""
+    with run_server(tmp_path, "--api-key", "k", "--warmup-shapes", "1x1x8x8") as first, \
+            run_server(tmp_path, "--grpc-port", str(first.grpc_port), wait_ready=False) as second:
+        assert second.proc.wait(timeout=90) == 1
+        assert "cannot bind gRPC" in second.log(), second.log()
+
+
+def test_a_stop_while_warming_up_does_not_wait_for_the_warm_up(tmp_path):
+    """SIGTERM while the workers warm up (made to take 120 s here): the process exits at once,
+    not after the warm-up (a cold GPU warm-up takes minutes, past an orchestrator's grace)."""
+    http, grpc_port = free_port(), free_port()
+    slow = ("import sys, time, runpy, kernels\n"
+            "warmup = kernels.warmup\n"
+            "kernels.warmup = lambda *a, **k: (time.sleep(120), warmup(*a, **k))[1]\n"
+            "sys.argv = ['service'] + sys.argv[1:]\n"
+            "runpy.run_module('service', run_name='__main__')\n")
+    log_path = tmp_path / "slow.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTNSERVE_", "TRITON_INTERPRET"))}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", slow, "--device", "cpu", "--host", "127.0.0.1",
+                                 "--http-port", str(http), "--grpc-port", str(grpc_port)],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while "gRPC listening" not in log_path.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{http}/readyz", timeout=10).status_code == 503  # still warming
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+        assert "stopped while warming up" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("lost", ["http", "grpc", "http-answered", "grpc-shared"])

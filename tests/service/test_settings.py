@@ -55,6 +55,24 @@ def test_bad_values_are_refused():
         load_settings(["--precompile-workers", "-1"])
 
 
+def test_values_no_server_can_use_are_refused(monkeypatch):
+    """Refused before any port is bound (each once started and failed later, or not at all)."""
+    from service.core.devices import parse_shapes
+
+    for argv, match in ((["--max-body-mb", "inf"], "finite"), (["--kv-cache-mb", "nan"], "finite"),
+                        (["--log-level", "verbose"], "logging level"),
+                        (["--memory-trim-idle-s", "0.001"], "at least 0.1"),
+                        (["--http-port", "9000", "--grpc-port", "9000"], "different ports")):
+        with pytest.raises(ValueError, match=match):
+            load_settings(argv)
+    with pytest.raises(ValueError, match="head dim 257 is over 256"):
+        parse_shapes("1x8x128x64,1x1x1x257")
+    assert load_settings(["--log-level", "WARN"]).log_level == "warning"
+    assert load_settings(["--http-port", "9000", "--grpc-port", "0"]).grpc_port == 0  # gRPC off
+    monkeypatch.setenv("ATTNSERVE_API_KEY", "s3cret\n")  # a key file's newline is not part of the key
+    assert load_settings([]).api_key == "s3cret"
+
+
 def test_start_up_options(monkeypatch):
     for name in ("PRECOMPILE", "PRECOMPILE_WORKERS", "AUTOTUNE_CACHE"):
         monkeypatch.delenv(f"ATTNSERVE_{name}", raising=False)
