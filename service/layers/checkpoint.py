@@ -92,7 +92,7 @@ def load_layer(name: str, folder: str | Path, index: int, dtype: torch.dtype | s
         info, weights, rope = load_llama(name, config, model_type, index, store, where)
     dtype = _choose_dtype(weights.q.dtype, dtype)
     info = LayerInfo(**{**vars(info), "dtype": dtype})
-    window = sliding_window(config, model_type, index) if family == "llama" else None
+    window = sliding_window(config, model_type, index, where) if family == "llama" else None
     log.info("layer %s: %s (%s) layer %d of %s: %d heads (%d kv) of %d, %s", name, family, model_type, index,
              folder, info.num_heads, info.num_kv_heads, info.head_dim, dtype)
     return Layer(info, weights.to(dtype=dtype), rope, source=f"{folder}:{index}", sliding_window=window)

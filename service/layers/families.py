@@ -141,11 +141,13 @@ def load_llama(name, config, model_type, index, store, where):
     return info, weights, rope
 
 
-def sliding_window(config: dict[str, Any], model_type: str, index: int) -> int | None:
+def sliding_window(config: dict[str, Any], model_type: str, index: int, where: str = "config.json") -> int | None:
     """This layer's attention window as HF computes it, or None for full attention."""
     window = config.get("sliding_window")
     if not window:
         return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise LayerConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list) and index < len(layer_types):
         active = layer_types[index] == "sliding_attention"
@@ -160,7 +162,11 @@ def _rope(config: dict[str, Any], head_dim: int, where: str) -> Rope:
     """inv_freq of HF's plain RoPE, and of its "linear" and "llama3" rope_scaling types."""
     params = config.get("rope_parameters")  # newer HF configs keep theta and the scaling together here
     scaling = params if isinstance(params, dict) else config.get("rope_scaling")
-    theta = float((params or {}).get("rope_theta") or config.get("rope_theta") or 10000.0)
+    theta = (params or {}).get("rope_theta", config.get("rope_theta"))
+    theta = 10000.0 if theta is None else theta  # HF's default
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0.0 < theta < math.inf:
+        raise LayerConfigError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    theta = float(theta)
     partial = config.get("partial_rotary_factor")
     if partial not in (None, 1, 1.0):
         raise LayerConfigError(f"{where}: partial_rotary_factor={partial} is not supported (only full RoPE)")

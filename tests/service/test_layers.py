@@ -389,6 +389,15 @@ BROKEN = [
      r"partial_rotary_factor=0\.5"),
     ("qwen3-qk-norm", "llama", {}, ("add", "model.safetensors", "model.layers.0.self_attn.q_norm.weight"), 0,
      r"q_norm/k_norm"),
+    # each once a traceback after the ports were bound, a message naming nothing, all-NaN answers, or 10000
+    ("negative-window", "llama", {"config_extra": {"model_type": "mistral", "sliding_window": -4}}, None, 0,
+     r"sliding_window must be a positive integer or null, got -4"),
+    ("text-window", "llama", {"config_extra": {"model_type": "mistral", "sliding_window": "abc"}}, None, 0,
+     r"sliding_window must be a positive integer or null, got 'abc'"),
+    ("negative-rope-theta", "llama", {"config_extra": {"rope_theta": -1}}, None, 0,
+     r"rope_theta must be a positive number, got -1"),
+    ("zero-rope-theta", "llama", {"config_extra": {"rope_theta": 0}}, None, 0,
+     r"rope_theta must be a positive number, got 0"),
 ]
 
 
