@@ -95,3 +95,13 @@ def test_help_documents_every_option():
         assert flag in text, flag
         assert f"ATTNSERVE_{name.upper()}" in text
         assert field.description and " ".join(field.description.split())[:30] in text
+
+
+def test_the_api_docs_table_lists_every_option():
+    """docs/api.md's command-line table: every option with its flag and its variable (the session
+    options were once only in the Sessions section, without their variables)."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `--")]
+    for name in Settings.model_fields:
+        flag, env = "`--" + name.replace("_", "-") + "`", f"`ATTNSERVE_{name.upper()}`"
+        assert any(flag in row and env in row for row in rows), f"{flag} / {env}"
