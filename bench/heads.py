@@ -199,12 +199,65 @@ def sweep_tiles(log, shapes=TILE_SHAPES, rep=60) -> list[dict]:
     return results
 
 
+PINGPONG_SHAPES = [("bfloat16", 1, 16, 16, 4096, 4096, 256, False), ("bfloat16", 1, 16, 16, 4096, 4096, 256, True),
+                   ("bfloat16", 1, 32, 32, 4096, 4096, 128, False), ("bfloat16", 1, 16, 16, 8192, 8192, 128, True),
+                   ("bfloat16", 2, 16, 16, 4096, 4096, 192, False)]
+
+
+def sweep_pingpong(log, shapes=PINGPONG_SHAPES, rounds=4, rep=60) -> list[dict]:
+    """The shipped tile of each shape without and with ``hopper.GLUON_PINGPONG``, in ``rounds``
+    alternating rounds (the order flips each round), TFLOP/s medians with their spread, and cuDNN:
+    one pair timed once differs by as much as ping-pong moves a row."""
+    import statistics
+
+    from kernels import hopper
+
+    kept = set(hopper.GLUON_PINGPONG)
+    results = []
+    try:
+        for dt, b, hq, hkv, n_q, n_k, d, causal in shapes:
+            sets = inputs(b, hq, hkv, n_q, n_k, d, getattr(torch, dt), sets=2)
+            flops = 4.0 * d * b * hq * visible_pairs(n_q, n_k, causal)
+            box = min(t for t in hopper.GLUON_TILES if d <= t)
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            for r in range(rounds):
+                for on in ((False, True) if r % 2 == 0 else (True, False)):
+                    hopper.GLUON_PINGPONG.clear()
+                    hopper.GLUON_PINGPONG.update({box} if on else set())
+                    hopper._recipes.clear()
+                    ms, _, _ = timed(_fn("flash", n_q, n_k), sets, causal, rep=rep)
+                    rates[on].append(flops / ms / 1e9)
+            ms, _, _ = timed(_fn("sdpa_cudnn", n_q, n_k), sets, causal, rep=rep)
+            off, on = statistics.median(rates[False]), statistics.median(rates[True])
+            row = {"shape": f"{dt} {b}x{hq}/{hkv}x{n_q}x{n_k}x{d}" + (" causal" if causal else ""),
+                   "off": f"{off:.0f} ({min(rates[False]):.0f}-{max(rates[False]):.0f})",
+                   "pingpong": f"{on:.0f} ({min(rates[True]):.0f}-{max(rates[True]):.0f})",
+                   "pingpong / off": f"{on / off:.3f}", "sdpa_cudnn": round(flops / ms / 1e9)}
+            log("  pingpong " + ", ".join(f"{k}={v}" for k, v in row.items()))
+            results.append(row)
+            del sets
+            torch.cuda.empty_cache()
+    finally:
+        hopper.GLUON_PINGPONG.clear()
+        hopper.GLUON_PINGPONG.update(kept)
+        hopper._recipes.clear()
+    return results
+
+
 def main() -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(description="attn_fwd_ws's tile choices side by side (--tiles)")
-    ap.add_argument("--tiles", action="store_true", required=True)
-    ap.parse_args()
+    ap = argparse.ArgumentParser(description="attn_fwd_ws's tile choices side by side (--tiles), or its "
+                                 "ping-pong schedule off and on in alternating rounds (--pingpong)")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--tiles", action="store_true")
+    what.add_argument("--pingpong", action="store_true")
+    ap.add_argument("--rounds", type=int, default=4, help="--pingpong: alternating rounds a shape")
+    args = ap.parse_args()
+    if args.pingpong:
+        rows = sweep_pingpong(print, rounds=args.rounds)
+        print(md_table(list(rows[0]), [list(r.values()) for r in rows]))
+        return
     rows = sweep_tiles(print)
     for r in rows:
         print(md_table(list(r), [list(r.values())]))
