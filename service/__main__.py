@@ -12,7 +12,7 @@ import threading
 
 from pydantic import ValidationError
 
-from service.settings import Settings, build_parser, load_settings
+from service.settings import Settings, build_parser, load_settings, unknown_variables
 
 
 def open_devices_early(settings: Settings) -> threading.Thread:
@@ -69,6 +69,9 @@ if __name__ == "__main__":
         build_parser().error(problems)
     if settings.peers is not None:
         die_with_supervisor()
+    elif settings.http_fd is None:  # (a --processes child: its supervisor said it already)
+        for line in unknown_variables(os.environ):
+            sys.stderr.write(f"warning: {line}\n")
     if settings.device.strip().lower() != "cpu":
         open_devices_early(settings)
     from service.server import main

@@ -6,8 +6,9 @@ Precedence: command-line flag > environment variable > default.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -274,6 +275,24 @@ class Settings(BaseSettings):
     @property
     def max_json_bytes(self) -> int:
         return min(self.max_body_bytes, int(self.max_json_mb * 1024 * 1024))
+
+
+# ATTNSERVE_* variables that are no option: switches the kernels read at import (kernels/launch.py,
+# hopper_bwd.py, mkl_vml.py)
+KERNEL_VARIABLES = frozenset({"ATTNSERVE_AUTOTUNE", "ATTNSERVE_BWD_DETERMINISTIC", "ATTNSERVE_DIRECT_LAUNCH",
+                              "ATTNSERVE_VML_WARMUP"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line per ATTNSERVE_* variable that nothing reads (a misspelt option is ignored otherwise),
+    with the nearest option's variable."""
+    known = {f"ATTNSERVE_{name.upper()}" for name in Settings.model_fields} | KERNEL_VARIABLES
+    lines = []
+    for var in sorted(v for v in environ if v.startswith("ATTNSERVE_") and v not in known):
+        near = difflib.get_close_matches(var.removeprefix("ATTNSERVE_"), sorted(k[10:] for k in known), n=1)
+        lines.append(f"{var} is no attnserve option: ignored"
+                     + (f" (did you mean ATTNSERVE_{near[0]}?)" if near else ""))
+    return lines
 
 
 def _flag(name: str) -> str:

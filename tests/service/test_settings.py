@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -105,3 +106,18 @@ def test_the_api_docs_table_lists_every_option():
     for name in Settings.model_fields:
         flag, env = "`--" + name.replace("_", "-") + "`", f"`ATTNSERVE_{name.upper()}`"
         assert any(flag in row and env in row for row in rows), f"{flag} / {env}"
+
+
+def test_variables_nothing_reads_are_named_at_start(tmp_path):
+    """A misspelt ATTNSERVE_* variable was ignored in silence: the server names it (and the nearest
+    option) on stderr; the kernels' own switches are known."""
+    from service.settings import unknown_variables
+
+    env = {"ATTNSERVE_MAX_QUEUE": "5", "ATTNSERVE_AUTOTUNE": "0", "ATTNSERVE_HTTP_PORT": "1", "PATH": "/bin"}
+    assert unknown_variables(env) == [
+        "ATTNSERVE_MAX_QUEUE is no attnserve option: ignored (did you mean ATTNSERVE_MAX_QUEUE_SIZE?)"]
+    out = subprocess.run([sys.executable, "-m", "service", "--device", "tpu:0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "ATTNSERVE_KV_CACHE_MBS": "64"})
+    assert out.returncode == 2
+    assert "warning: ATTNSERVE_KV_CACHE_MBS is no attnserve option: ignored (did you mean " \
+           "ATTNSERVE_KV_CACHE_MB?)" in out.stderr, out.stderr
