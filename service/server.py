@@ -154,7 +154,7 @@ async def serve(settings: Settings) -> int:
             log.error("%s", exc)
             start_task.cancel()
             await asyncio.gather(start_task, return_exceptions=True)
-            await engine.drain()
+            _LEFT_WARMING.set()  # the workers may still be warming up: not waited for
             return 1
 
     stop = asyncio.Event()
