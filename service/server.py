@@ -177,8 +177,13 @@ async def serve(settings: Settings) -> int:
     while not stop.is_set():
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if start_task in done and start_task.exception() is not None:
-            log.error("start-up failed: %s", start_task.exception(), exc_info=start_task.exception())
-            exit_code = 1
+            exc = start_task.exception()
+            if isinstance(exc, ValueError):  # a setting the devices cannot honour: the message says which
+                log.error("cannot start: %s", exc)
+                exit_code = 2
+            else:
+                log.error("start-up failed: %s", exc, exc_info=exc)
+                exit_code = 1
             break
         if http_task in done:  # uvicorn stopped on its own: could not bind, or failed
             log.error("the HTTP server stopped; shutting down")

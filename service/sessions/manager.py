@@ -157,6 +157,10 @@ class SessionManager:
         for i, w in enumerate(self.workers):
             cache = KVCache(w.device, kv_cache_bytes(self.settings, w), self.settings.kv_page_tokens)
             if w.device.type == "cuda":
+                if cache.capacity_bytes >= w.memory_budget:  # stateless requests would get 413, every one
+                    raise ValueError(
+                        f"--kv-cache-mb {self.settings.kv_cache_mb:g} is not below what worker {w.name} may use "
+                        f"after its warm-up ({w.memory_budget / 2**20:.0f} MiB, --memory-fraction): lower it")
                 w.memory_budget = max(0, w.memory_budget - cache.capacity_bytes)
             self.caches.append(cache)
             scheduler = StepScheduler(w, cache, self.settings, self.metrics)

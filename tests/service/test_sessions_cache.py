@@ -154,3 +154,20 @@ def test_step_validation():
         SessionStep.packed(["a", "a"], torch.zeros(4, 4, 8), None, None, [2, 2])
     packed = SessionStep.packed(["a", "b"], torch.zeros(5, 4, 8), None, None, torch.tensor([2, 3], dtype=torch.int32))
     assert packed.rows == [(0, 2), (2, 5)] and packed.layout is None
+
+
+def test_a_kv_cache_of_a_gpu_worker_whole_budget_is_refused_at_start():
+    """--kv-cache-mb at or past what a GPU worker may use after its warm-up would leave stateless
+    requests nothing (413 for every call): the start stops with a message naming both sizes. No
+    device is touched before the check (the cache allocates its pages lazily)."""
+    from types import SimpleNamespace
+
+    from service.core.metrics import Metrics
+    from service.sessions.manager import SessionManager
+    from service.settings import load_settings
+
+    worker = SimpleNamespace(device=torch.device("cuda:0"), name="cuda:0", memory_budget=512 * 2**20)
+    manager = SessionManager(load_settings(["--kv-cache-mb", "512"]), Metrics(), [worker])
+    with pytest.raises(ValueError, match=r"--kv-cache-mb 512 is not below what worker cuda:0 may use .*512 MiB"):
+        manager.start()
+    assert worker.memory_budget == 512 * 2**20
