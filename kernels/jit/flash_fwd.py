@@ -230,12 +230,14 @@ def attn_fwd_tma(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    # full blocks: every key visible, so m_new is finite from the first block on
+    # full blocks: every key visible; m_new stays -inf only while a row's scores are all -inf (keys
+    # of -inf), and then 0 is subtracted (-inf - -inf is NaN)
     for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WS):
         s = tl.dot(q, desc_k.load([start_n, 0]).T)
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])   # scale and shift in one FMA
-        alpha = tl.math.exp2(m_i - m_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])   # scale and shift in one FMA
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(dtype), desc_v.load([start_n, 0]), acc)
@@ -246,8 +248,9 @@ def attn_fwd_tma(
         s = tl.dot(q, desc_k.load([full_end, 0]).T) * qk_scale
         s = tl.where(cols[None, :] < kv_len, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(dtype), desc_v.load([full_end, 0]), acc)

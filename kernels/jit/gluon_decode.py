@@ -80,7 +80,7 @@ def _softmax_block(s, m_i, l_i, acc, start, kv_len, first_diag, diag, s_layout: 
             keep = keep & (cols <= diag)
         s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_use = _finite(m_new, IS_CAUSAL)  # without causal, a split's first block sees its first key
+    m_use = _finite(m_new)
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(s - gl.expand_dims(m_use, 1))
     l_i = l_i * alpha + gl.sum(p, axis=1)

@@ -101,13 +101,10 @@ def _scores(s, qk_scale, start, kv_len, diag, win_left, win_right, cap, slope, I
 
 
 @gluon.jit
-def _finite(m, EMPTY_ROWS: gl.constexpr):
-    """The row max to subtract: 0 for a row that has seen no key yet (-inf - -inf is NaN), which
-    only causal and windowed rows can be; any other row sees key 0 (kv_len 0 runs no block)."""
-    if EMPTY_ROWS:
-        return gl.where(m == float("-inf"), 0.0, m)
-    else:
-        return m
+def _finite(m):
+    """The row max to subtract: 0 for a row that has seen no key yet (-inf - -inf is NaN): masked
+    (causal, window) or with every score so far -inf (keys of -inf)."""
+    return gl.where(m == float("-inf"), 0.0, m)
 
 
 @gluon.jit
@@ -214,7 +211,7 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
                     win_left, win_right, cap, slope, IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
         mbarrier.arrive(k_empty.index(st))
         m_i = gl.max(s, axis=1)
-        p = gl.exp2(s - gl.expand_dims(_finite(m_i, IS_CAUSAL or WINDOW), 1))
+        p = gl.exp2(s - gl.expand_dims(_finite(m_i), 1))
         l_i = gl.sum(p, axis=1)
         for j in range(1, n_blocks):
             c = it + j
@@ -245,7 +242,7 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, it, 
                         IS_CAUSAL, WINDOW, SOFTCAP, ALIBI)
             mbarrier.arrive(k_empty.index(stage))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_use = _finite(m_new, IS_CAUSAL or WINDOW)
+            m_use = _finite(m_new)
             alpha = gl.exp2(m_i - m_use)
             p = gl.exp2(s - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)

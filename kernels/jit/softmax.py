@@ -74,11 +74,9 @@ def online_softmax_block(
         s = tl.where(visible, s, float("-inf"))
     # steps 2-3: m_new = max(m_i, rowmax(S_ij))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
-        # a row that has seen no key yet: subtract 0, not -inf (-inf - -inf is NaN)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
+    # a row that has seen no key yet, masked or all its scores -inf (keys of -inf): subtract 0, not
+    # -inf (-inf - -inf is NaN)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     # step 4: alpha = 2^(m_i - m_new); l_new = alpha·l_i + rowsum(P_ij)
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, None])

@@ -48,7 +48,7 @@ def check(o, lse, q, k, v, causal, scale):
     tol = 1e-4 if q.dtype == torch.float32 else 3e-2
     assert (o - o64).abs().max() <= tol
     finite = lse64 > -INF
-    assert (lse[finite] - lse64[finite]).abs().max() <= tol
+    assert not finite.any() or (lse[finite] - lse64[finite]).abs().max() <= tol
 
 
 def inputs(dtype, poison: str, n_q=5, n_k=37, d=24, device=DEV):
@@ -87,6 +87,48 @@ def test_attention(kernel, dtype, poison, causal):
     q, k, v = inputs(dtype, poison)
     o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
     check(o, lse, q, k, v, causal, q.shape[-1] ** -0.5)
+
+
+def minus_inf_keys(dtype, first: int, n_q=5, n_k=200, d=24, device=DEV):
+    """B 1, H 2: every row of head 0 scores -inf on keys 0..first-1 (a -inf element where its q is
+    > 0), whole key blocks for every tile size when first >= 128; head 1's row 0 meets a NaN (the
+    case's bad row)."""
+    q, k, v = inputs(dtype, "none", n_q=n_q, n_k=n_k, d=d, device=device)
+    q[0, 0, :, 0] = q[0, 0, :, 0].abs() + 0.1
+    k[0, 0, :first, 0] = -INF
+    q[0, 1, 0, 3] = NAN
+    return q, k, v
+
+
+@pytest.mark.parametrize("first", [128, 200], ids=["blocks", "every-key"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_keys_of_minus_inf_are_not_seen(kernel, dtype, causal, first):
+    """Whole key blocks of -inf scores: the softmax over the other keys (the Triton kernels once
+    subtracted -inf from -inf there when the block needed no mask: NaN); every key -inf: o = 0,
+    lse = -inf."""
+    q, k, v = minus_inf_keys(dtype, first)
+    o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
+    check(o, lse, q, k, v, causal, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("first", [128, 200], ids=["blocks", "every-key"])
+@pytest.mark.parametrize("kernel", ["flash", "reference"])
+def test_keys_of_minus_inf_in_varlen_paged_and_split_decode(kernel, first):
+    """The same through the ragged kernels (varlen, paged: session steps) and a split-KV decode."""
+    q, k, v = minus_inf_keys(torch.float16, first)
+    cu_q, cu_k = cu_of([5]), cu_of([200])
+    sq, sk, sv = _as_sequences(q, k, v)
+    o_v, lse_v = attention_varlen(sq, sk, sv, cu_q, cu_k, causal=True, return_lse=True, kernel=kernel)
+    kp, vp, table = paginate([sk], [sv], page=16)
+    lens = torch.tensor([200], dtype=torch.int32, device=DEV)
+    o_p, lse_p = attention_paged(sq, kp, vp, table.to(DEV), lens, cu_q, causal=True, return_lse=True, kernel=kernel)
+    for o, lse in ((o_v, lse_v), (o_p, lse_p)):
+        check(o.transpose(0, 1)[None], lse[None], q, k, v, True, 24 ** -0.5)
+    q, k, v = minus_inf_keys(torch.float16, 10 * first, n_q=1, n_k=2000)  # one row over 2,000 keys: splits
+    o, lse = attention(q, k, v, return_lse=True, kernel=kernel)
+    check(o, lse, q, k, v, False, 24 ** -0.5)
 
 
 @pytest.mark.parametrize("n_k", [1, 4, 7])
@@ -208,3 +250,18 @@ def test_gpu_every_kernel(kernel, dtype):
             for causal in (False, True):
                 o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
                 check(o.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, d ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kernel", ["auto", "flash", "flash_v1", "reference"])
+def test_gpu_keys_of_minus_inf_on_every_kernel(kernel, dtype):
+    """Whole key blocks of -inf scores, and every key -inf, on CUDA: the Hopper prefill (D 128),
+    the TMA kernel (D 64) and the Gluon decode (one row over 8k keys) included."""
+    for n_q, n_k, d, first in ((300, 1024, 128, 512), (300, 1024, 128, 1024), (64, 1000, 64, 512),
+                               (1, 8192, 128, 4096), (1, 8192, 128, 8192)):
+        q, k, v = minus_inf_keys(dtype, first, n_q=n_q, n_k=n_k, d=d, device="cuda")
+        for causal in (False, True):
+            o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
+            check(o.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, d ** -0.5)
