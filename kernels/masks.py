@@ -145,9 +145,10 @@ def check_masks(window_size: object, softcap: object, alibi_slopes: object, *, r
         else:
             raise MaskError(f"alibi_slopes must have shape [{heads_q}] (Hq) or [{rows}, {heads_q}] "
                             f"({rows_name}, Hq), got {shape}")
-        if alibi_slopes.device.type == "cpu" and not bool(torch.isfinite(alibi_slopes).all()):
-            # checked on the host only: reading a GPU tensor would synchronise the device
-            raise MaskError("alibi_slopes must be finite")
+        if alibi_slopes.device.type == "cpu" and not bool(torch.isfinite(alibi_slopes * LOG2E).all()):
+            # checked on the host only: reading a GPU tensor would synchronise the device. The kernels
+            # work in log2 units: slope · log2(e) must stay finite in float32 (inf · 0 on the diagonal is NaN)
+            raise MaskError("alibi_slopes must be finite, |slope| <= 2.3e38 (float32's range over log2(e))")
         alibi = alibi.detach()  # the slopes get no gradient (docs/kernels.md), on every kernel alike
     return Masks(left, right, cap, alibi)
 

@@ -211,6 +211,8 @@ def test_varlen_fp16_and_batch_invariance():
     (dict(alibi_slopes=torch.ones(3, 4)), MaskError, "shape"),
     (dict(alibi_slopes=[0.5] * 4), MaskError, "tensor"),
     (dict(alibi_slopes=torch.tensor([1.0, float("nan"), 1.0, 1.0])), MaskError, "finite"),
+    # finite, but inf in the kernels' log2 units (inf · 0 on the diagonal was NaN in the Triton kernels)
+    (dict(alibi_slopes=torch.tensor([1.0, 3e38, 1.0, 1.0])), MaskError, r"\|slope\| <= 2.3e38"),
     (dict(alibi_slopes=torch.ones(4, device="meta")), DeviceMismatchError, "alibi_slopes"),
 ])
 def test_invalid_options_are_refused_with_a_clear_message(opts, error, match):
