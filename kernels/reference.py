@@ -7,6 +7,8 @@ the score modifiers of ``kernels/masks.py`` (window, softcap, ALiBi).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .masks import NO_MASKS, Masks, as_float32, modify_scores, visible
@@ -273,12 +275,14 @@ def _nonfinite_again(out: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k:
                      causal: bool, scale: float,
                      kv_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` of one batch element (B = 1), answered again by ``blockwise_attention`` when its q, or
-    its k, v up to kv_lengths (padding may hold anything), hold a non-finite value: torch's CPU
-    kernel answers a row whose scores meet a NaN with o = 0, lse = 0 over a few keys (the contract
-    says NaN)."""
+    its k, v up to kv_lengths (padding may hold anything), hold a non-finite value, or when a score
+    may leave float32 (|q|·|k|·D·|scale| past 1e38): torch's CPU kernel answers a row whose scores
+    meet a NaN with o = 0, lse = 0 over a few keys (the contract says NaN), and a row whose only
+    score overflowed to -inf with lse = 0 (the contract: no key seen, -inf)."""
     n = k.shape[2] if kv_lengths is None else int(kv_lengths[0])
-    if bool(torch.isfinite(q).all()) and bool(torch.isfinite(k[:, :, :n]).all()) \
-            and bool(torch.isfinite(v[:, :, :n]).all()):
+    q_max, k_max = float(q.abs().amax()) if q.numel() else 0.0, float(k[:, :, :n].abs().amax()) if n else 0.0
+    if math.isfinite(q_max) and math.isfinite(k_max) and bool(torch.isfinite(v[:, :, :n]).all()) \
+            and q_max * k_max * q.shape[-1] * abs(scale) < 1e38:
         return out
     return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)
 

@@ -131,6 +131,21 @@ def test_keys_of_minus_inf_in_varlen_paged_and_split_decode(kernel, first):
     check(o, lse, q, k, v, False, 24 ** -0.5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_a_score_that_overflows_to_minus_inf_is_a_key_not_seen(kernel):
+    """Finite inputs whose product leaves float32 (1e20 · -1e20): that key is not seen. Alone it
+    leaves the row keyless (o = 0, lse = -inf; the CPU path once answered lse = 0); beside a finite
+    key, the row is that key's."""
+    q = torch.full((1, 1, 1, 1), 1e20, device=DEV)
+    v = torch.tensor([5.0, 7.0], device=DEV).reshape(1, 1, 2, 1)
+    o, lse = attention(q, torch.full((1, 1, 1, 1), -1e20, device=DEV), v[:, :, :1], scale=1.0, return_lse=True,
+                       kernel=kernel)
+    assert o.item() == 0.0 and lse.item() == -INF
+    o, lse = attention(q, torch.tensor([-1e20, 1.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
+                       return_lse=True, kernel=kernel)
+    assert o.item() == 7.0 and lse.item() == pytest.approx(1e20, rel=1e-6)
+
+
 @pytest.mark.parametrize("n_k", [1, 4, 7])
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 def test_a_nan_over_few_keys_is_nan(kernel, n_k):
