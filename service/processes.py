@@ -89,6 +89,16 @@ def http_listeners(host: str, port: int, count: int) -> list[socket.socket]:
     return listeners
 
 
+def bind_error(host: str, port: int) -> str | None:
+    """Why a plain bind of ``host:port`` fails (in use, a privileged port, an address not this
+    host's), or None when it succeeds."""
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     """Start ``processes`` servers (``python -m service`` with ``argv`` and this process's share of
     the devices), forward signals, wait; the exit code (0 after a clean stop)."""
@@ -105,15 +115,12 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
     except OSError as exc:
         log.error("cannot bind HTTP %s:%d: %s", settings.host, settings.http_port, exc)
         return 1
-    if settings.grpc_port:  # the processes bind it with SO_REUSEPORT: a plain bind first, as for HTTP
-        try:
-            socket.create_server((settings.host, settings.grpc_port),
-                                 family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET).close()
-        except OSError as exc:
-            for listener in listeners:
-                listener.close()
-            log.error("cannot bind gRPC %s:%d: %s", settings.host, settings.grpc_port, exc.strerror or exc)
-            return 1
+    # the processes bind the gRPC port with SO_REUSEPORT: a plain bind first, as for HTTP
+    if settings.grpc_port and (reason := bind_error(settings.host, settings.grpc_port)):
+        for listener in listeners:
+            listener.close()
+        log.error("cannot bind gRPC %s:%d: %s", settings.host, settings.grpc_port, reason)
+        return 1
     metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
     peers_dir = tempfile.mkdtemp(prefix="attnserve-peers-")  # 0700: each process's private sockets
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}

@@ -14,7 +14,6 @@ carries many.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +26,7 @@ from service.grpc.codec import offload, result_bytes
 from service.grpc.errors import abort, error_status
 from service.grpc.protogen import attention_stubs
 from service.grpc.sessions import SessionServicer
+from service.processes import bind_error
 from service.sessions import routing
 from service.settings import Settings
 from service.wire.tensors import ServerTiming
@@ -357,19 +357,11 @@ def create_server(engine, settings: Settings) -> grpc.aio.Server:
     try:
         server.add_insecure_port(address)
     except RuntimeError:  # grpc says only "Failed to bind": a plain bind says why
-        raise OSError(f"cannot bind gRPC {address}: {bind_error(settings.host, settings.grpc_port)}") from None
+        reason = bind_error(settings.host, settings.grpc_port) or "grpc could not bind it"
+        raise OSError(f"cannot bind gRPC {address}: {reason}") from None
     routing.add_grpc_port(server, settings)  # under --processes: the private socket other processes forward to
     server.attnserve_rpcs = interceptor  # for shutdown()
     return server
-
-
-def bind_error(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be bound (in use, a privileged port, an address not this host's)."""
-    try:
-        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return "grpc could not bind it"
 
 
 async def shutdown(server: grpc.aio.Server, grace: float) -> None:

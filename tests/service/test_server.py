@@ -33,14 +33,20 @@ def test_bad_device_stops_startup(tmp_path):
         assert "--device" in server.log()
 
 
-def test_busy_http_port_stops_the_process(tmp_path):
+@pytest.mark.parametrize(("flag", "message"), [
+    ("--http-port", "HTTP server stopped"),
+    ("--grpc-port", "cannot bind gRPC 127.0.0.1:{port}: Address already in use"),  # once a traceback
+])
+def test_a_busy_port_stops_the_process_with_the_reason(tmp_path, flag, message):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with run_server(tmp_path, "--http-port", str(port), wait_ready=False) as server:
+        with run_server(tmp_path, flag, str(port), wait_ready=False) as server:
             assert server.proc.wait(timeout=90) == 1
-            assert "HTTP server stopped" in server.log()
+            log = server.log()
+            assert message.format(port=port) in log, log
+            assert "Traceback" not in log
 
 
 @contextlib.contextmanager
@@ -74,18 +80,6 @@ def _taken_port(how: str) -> Iterator[int]:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         yield busy.getsockname()[1]
-
-
-def test_busy_grpc_port_stops_the_process_with_the_reason(tmp_path):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        with run_server(tmp_path, "--grpc-port", str(port), wait_ready=False) as server:
-            assert server.proc.wait(timeout=90) == 1
-            log = server.log()
-            assert f"cannot bind gRPC 127.0.0.1:{port}: Address already in use" in log, log
-            assert "Traceback" not in log
 
 
 def test_a_second_server_cannot_share_the_grpc_port(tmp_path):
