@@ -254,8 +254,10 @@ def test_a_step_that_ends_its_session_leaves_a_new_session_of_that_id_alone(monk
     from service.sessions import SessionStep
 
     paged = kernels.attention_paged
+    entered = threading.Event()
 
     def slow(*args, **kwargs):
+        entered.set()
         time.sleep(0.3)
         return paged(*args, **kwargs)
 
@@ -269,8 +271,9 @@ def test_a_step_that_ends_its_session_leaves_a_new_session_of_that_id_alone(monk
             sessions.create(session="seq", num_kv_heads=2, head_dim=16, dtype="float32")
             q, k, v = qkv(nq=2, nk=2)
             step = asyncio.ensure_future(sessions.step(SessionStep.single("seq", q, k, v, end=True)))
-            await asyncio.sleep(0.1)
-            assert not step.done()  # in its launch
+            while not entered.is_set():  # its launch has begun (its pages reserved)
+                await asyncio.sleep(0.01)
+            assert not step.done()
             ending = asyncio.ensure_future(sessions.delete("seq"))
             await asyncio.sleep(0)
             other = sessions.create(session="seq", num_kv_heads=2, head_dim=16, dtype="float32")
