@@ -26,6 +26,9 @@ from .errors import AttentionInputError, DeviceMismatchError, DTypeError
 
 UNBOUNDED = -1
 LOG2E = 1.4426950408889634
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
+# the kernels scale scores into log2 units: a score past this (~2.36e38) is ±inf in them
+BASE2_LIMIT = 3.4028234663852886e38 / LOG2E
 
 
 class MaskError(AttentionInputError):
@@ -108,9 +111,10 @@ def as_float32(x: float) -> float:
 
 def check_masks(window_size: object, softcap: object, alibi_slopes: object, *, rows: int, heads_q: int,
                 device: torch.device, causal: bool, rows_name: str = "B") -> Masks:
-    """Validate the options: window_size a pair of ints >= -1, softcap a finite number >= 0 (off past
-    float32's range in the kernels' log2 units, ~2.36e38), alibi_slopes float32 [Hq] or [rows, Hq] on
-    q's device. With causal the window's right side is dropped (causal bounds it at 0 already)."""
+    """Validate the options: window_size a pair of ints >= -1, softcap 0 or a finite number from
+    float32's smallest normal up (off past float32's range in the kernels' log2 units, ~2.36e38),
+    alibi_slopes float32 [Hq] or [rows, Hq] on q's device. With causal the window's right side is
+    dropped (causal bounds it at 0 already)."""
     if isinstance(window_size, list):
         window_size = tuple(window_size)
     if (not isinstance(window_size, tuple) or len(window_size) != 2
@@ -124,6 +128,8 @@ def check_masks(window_size: object, softcap: object, alibi_slopes: object, *, r
     cap = real(softcap)
     if cap is None or not math.isfinite(cap) or cap < 0:
         raise MaskError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if 0 < cap < FLOAT32_TINY:  # 0 or subnormal in the kernels' float32: 0 / cap is NaN there
+        raise MaskError(f"softcap must be 0 (off) or at least 1.2e-38 (float32's smallest normal), got {softcap!r}")
     if math.isinf(as_float32(cap * LOG2E)):
         # the kernels take the cap in log2 units: past float32's range there, a cap bends only scores
         # near float32's own limit, so it is off (docs/api.md), as the service makes a cap past FLT_MAX
@@ -192,5 +198,6 @@ def modify_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, n_q: 
     return s
 
 
-__all__ = ["NO_MASKS", "UNBOUNDED", "MaskError", "Masks", "as_float32", "check_masks", "dense_masks", "modify_scores",
+__all__ = ["BASE2_LIMIT", "NO_MASKS", "UNBOUNDED", "MaskError", "Masks", "as_float32", "check_masks", "dense_masks",
+           "modify_scores",
            "real", "visible"]

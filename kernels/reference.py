@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .masks import NO_MASKS, Masks, as_float32, modify_scores, visible
+from .masks import BASE2_LIMIT, NO_MASKS, Masks, as_float32, modify_scores, visible
 
 
 def _expand_kv(k: torch.Tensor, group: int) -> torch.Tensor:
@@ -39,7 +39,7 @@ def reference_attention(
     n_q, n_k = q.shape[2], k.shape[2]
     qf, kf = q.to(acc), _expand_kv(k, group).to(acc)
     vf = _zero_padding(_expand_kv(v, group).to(acc), kv_lengths, 0)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # (B, Hq, Nq, Nk)
+    s = _as_kernels_see(torch.matmul(qf, kf.transpose(-1, -2)) * scale)  # (B, Hq, Nq, Nk)
     if masks.softcap > 0 or masks.alibi is not None:
         r, c = torch.arange(n_q, device=q.device), torch.arange(n_k, device=q.device)
         s = modify_scores(s, r, c, n_q, n_k, masks)
@@ -48,6 +48,14 @@ def reference_attention(
         s = s.masked_fill(~mask, float("-inf"))
     o, lse = _finish(s, vf)
     return o.to(q.dtype), lse.to(torch.float32)
+
+
+def _as_kernels_see(s: torch.Tensor) -> torch.Tensor:
+    """Scaled scores as the Triton kernels see them: they work in log2 units, where a score past
+    ±BASE2_LIMIT (~2.36e38, finite in float32) is ±inf, so here too (docs/api.md: the infinity rules)."""
+    if s.numel() == 0 or not bool(s.abs().amax() > BASE2_LIMIT):
+        return s
+    return s.masked_fill(s > BASE2_LIMIT, math.inf).masked_fill(s < -BASE2_LIMIT, -math.inf)
 
 
 def _mask(
@@ -133,7 +141,7 @@ def blockwise_attention(
             kj = _expand_kv(k[:, :, c0 : c0 + block_k], group).to(acc)
             vj = _zero_padding(_expand_kv(v[:, :, c0 : c0 + block_k], group).to(acc), kv_lengths, c0)
             # scaled after the product, as the other kernels: q · scale alone may pass float32's range
-            s = torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale)  # S_ij (B, Hq, bq, bk)
+            s = _as_kernels_see(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale))  # S_ij (B, Hq, bq, bk)
             if modify:
                 s = modify_scores(s, torch.arange(r0, r0 + rows, device=q.device),
                                   torch.arange(c0, c0 + kj.shape[2], device=q.device), n_q, n_k, masks)

@@ -25,6 +25,8 @@ import triton.language as tl
 
 from . import tuning
 
+BASE2_LIMIT_K = tl.constexpr(3.4028234663852886e38 / 1.4426950408889634)  # kernels.masks.BASE2_LIMIT
+
 
 @triton.jit
 def flash_v1_fwd(
@@ -90,6 +92,8 @@ def flash_v1_fwd(
 
             # step 1: S_ij = Q_i K_jᵀ · scale, masked keys -> -inf
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+            # the other kernels work in log2 units, where a score past FLT_MAX / log2(e) is ±inf: so here
+            s = tl.where(tl.abs(s) > BASE2_LIMIT_K, s * float("inf"), s)
             visible = col_ok[None, :]
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None] + causal_off)

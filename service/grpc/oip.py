@@ -54,6 +54,8 @@ def _inputs(request, model: oip.Model) -> dict[str, torch.Tensor]:
     for i, inp in enumerate(request.inputs):
         name = oip.check_input_name(model, inp.name, tensors)
         if raw:
+            if inp.HasField("contents"):  # which data counts would be a guess (Triton refuses it too)
+                raise BadRequest(f"input {name!r} has both typed contents and raw_input_contents; send one")
             tensors[name] = oip.raw_tensor(name, inp.datatype, list(inp.shape), raw[i])
             continue
         dtype, shape = oip.input_dtype(name, inp.datatype), oip.input_shape(name, list(inp.shape))

@@ -23,12 +23,13 @@ from service.http.routes import DirectRoute, add_native_routes
 from service.settings import Settings
 
 
-def create_app(engine: Any, settings: Settings) -> FastAPI:
-    """The FastAPI app over ``engine`` (see ``service.core.engine`` for its interface)."""
+def create_app(engine: Any, settings: Settings) -> EdgeMiddleware:
+    """The ASGI app over ``engine`` (see ``service.core.engine`` for its interface): the edge, and
+    behind it the FastAPI app (``.app``). The edge is outside FastAPI's own middleware, so the hot
+    routes it calls pass none of it."""
     app = FastAPI(title="attnserve", version=__version__, summary="Exact attention as a service (docs/api.md)")
     metrics = HttpMetrics()
     direct: list[DirectRoute] = []  # the hot routes, called from the edge (filled below)
-    app.add_middleware(EdgeMiddleware, settings=settings, metrics=metrics, direct=direct)
     install_error_handlers(app)
     add_native_routes(app, engine, settings)
     add_ops_routes(app, engine, metrics)
@@ -42,4 +43,4 @@ def create_app(engine: Any, settings: Settings) -> FastAPI:
         routes += sessions.routes
     direct += [r for r in routes if isinstance(r, DirectRoute)]
     install_openapi(app)
-    return app
+    return EdgeMiddleware(app, settings=settings, metrics=metrics, direct=direct)

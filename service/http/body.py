@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from service.settings import Settings
 
 T = TypeVar("T")
+_DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 # Decoding/encoding goes to a thread (off the event loop) only when it costs more than the two
 # thread hand-offs: JSON is parsed and printed number by number, binary tensors (safetensors, OIP
@@ -82,10 +84,8 @@ def deadline_from(header: str | None, settings: Settings, arrived: float) -> flo
     """``X-Request-Timeout-Ms`` (else ``--request-timeout-ms``) -> a ``time.monotonic()`` deadline."""
     ms: float = settings.request_timeout_ms
     if header is not None:
-        try:
-            ms = float(header)
-        except ValueError:
-            ms = math.nan
+        # a decimal number: float() also takes "1_000", "1e3", "0x" forms a client did not mean
+        ms = float(header) if _DECIMAL.fullmatch(header.strip()) else math.nan
         if not (math.isfinite(ms) and ms >= 0):
             raise BadRequest(
                 f"X-Request-Timeout-Ms must be a non-negative number of milliseconds, got {header!r}"

@@ -76,6 +76,11 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return error_response(request.url.path, exc.status_code, code, message, headers=exc.headers)
 
+    # Starlette answers a bug with this, then re-raises it to the edge, which logs it
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        return internal_error_response(request.url.path)
+
     app.add_exception_handler(ServiceError, on_service_error)
+    app.add_exception_handler(Exception, on_bug)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

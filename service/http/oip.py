@@ -40,10 +40,7 @@ def _split_body(data: bytearray, header_length: str | None, json_limit: int) -> 
     view = memoryview(data)
     n = len(data)
     if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            n = -1
+        n = int(header_length) if header_length.strip().isdigit() and header_length.isascii() else -1
         if not 0 <= n <= len(data):
             raise BadRequest(
                 f"Inference-Header-Content-Length {header_length!r} does not fit the {len(data)}-byte body"
@@ -225,6 +222,8 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         doc, binary = await body.offload(
             big, _split_body, data, request.headers.get(HEADER_LENGTH), settings.max_json_bytes
         )
+        if not isinstance(doc.get("id", ""), str):  # echoed as sent: the protocol's id is a string
+            raise BadRequest(f'"id" must be a string, got {type(doc["id"]).__name__}')
         rid = oip.call_id(doc.get("id"), request.state.request_id)
         call, wanted = await body.offload(
             big, lambda: decode(spec, doc, binary, request_id=rid, deadline=deadline, arrived=arrived)

@@ -146,6 +146,39 @@ def test_a_score_that_overflows_to_minus_inf_is_a_key_not_seen(kernel):
     assert o.item() == 7.0 and lse.item() == pytest.approx(1e20, rel=1e-6)
 
 
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_a_score_past_the_kernels_log2_range_is_infinite(kernel):
+    """A score finite in float32 but past FLT_MAX / log2(e) (~2.36e38) is ±inf in the kernels'
+    log2 units, so on every kernel: +3e38 makes the row NaN, -3e38 is a key not seen (the
+    reference once answered o = 1 and lse = 3e38 where the Triton kernels answered NaN)."""
+    q = torch.ones(1, 1, 1, 1, device=DEV)
+    v = torch.tensor([1.0, 2.0], device=DEV).reshape(1, 1, 2, 1)
+    o, lse = attention(q, torch.tensor([3e38, 0.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
+                       return_lse=True, kernel=kernel)
+    assert o.isnan().all() and lse.isnan().all()
+    o, lse = attention(q, torch.full((1, 1, 1, 1), -3e38, device=DEV), v[:, :, :1], scale=1.0, return_lse=True,
+                       kernel=kernel)
+    assert o.item() == 0.0 and lse.item() == -INF
+    o, lse = attention(q, torch.tensor([-3e38, 0.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
+                       return_lse=True, kernel=kernel)
+    assert o.item() == 2.0 and lse.item() == pytest.approx(0.0, abs=1e-6)
+    # under a cap the overflowing score is the cap (tanh(inf) = 1): a key the row sees
+    o, lse = attention(q, torch.tensor([3e38, 0.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
+                       return_lse=True, kernel=kernel, softcap=2.0) if kernel != "flash_v1" else (None, None)
+    if o is not None:
+        w = torch.softmax(torch.tensor([2.0, 0.0], dtype=torch.float64), 0)
+        assert o.item() == pytest.approx(float(w[0] + 2 * w[1]), rel=1e-5)
+
+
+@pytest.mark.parametrize("cap", [1e-300, 1e-40])
+def test_a_cap_below_float32s_smallest_normal_is_refused(cap):
+    """0 or subnormal in the kernels' float32, a cap made 0 / cap NaN (every row of a zero q)."""
+    q, k, v = (torch.randn(1, 1, 3, 4, device=DEV) for _ in range(3))
+    with pytest.raises(ValueError, match="smallest normal"):
+        attention(q, k, v, softcap=cap)
+    attention(q, k, v, softcap=1.2e-38)  # the smallest normal and up: taken
+
+
 @pytest.mark.parametrize("n_k", [1, 4, 7])
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 def test_a_nan_over_few_keys_is_nan(kernel, n_k):

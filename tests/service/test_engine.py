@@ -865,3 +865,45 @@ def test_a_lone_session_step_queues_when_the_launch_lock_is_held_elsewhere():
         await engine.drain()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("options", [{}, {"softcap": 5.0, "window_size": (700, 700), "alibi": True},
+                                     {"causal": True, "softcap": 5.0, "window_size": (64, 64), "alibi": True}],
+                         ids=["plain", "modifiers", "causal-modifiers"])
+def test_the_reference_kernels_memory_estimate_covers_its_peak(options):
+    """The 413 check's estimate of ``kernel=reference`` (which materialises S) bounds the memory it
+    takes: measured as the peak RSS of a fresh process with the server's allocator settings (a
+    server's RSS once grew 1.3-2.0x past the estimate: the modifiers' and the masks' copies of S)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, torch
+        from service.allocator import reuse_freed_memory
+        from service.core.devices import attention_memory
+        reuse_freed_memory(256 << 20)  # the server's allocator: glibc keeps freed blocks this big
+        from service.core.types import AttentionRequest
+        opts = {options!r}
+        alibi = torch.rand(16) if opts.pop("alibi", False) else None
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 16, 1400, 1, generator=g).half() for _ in range(3))
+        req = AttentionRequest(q=q, k=k, v=v, kernel="reference", alibi_slopes=alibi, **opts)
+        need = attention_memory(req, "cpu")
+        import kernels
+        kernels.attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], kernel="reference")  # allocator warm
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        kernels.attention(q, k, v, kernel="reference", causal=req.causal, window_size=req.window_size,
+                          softcap=req.softcap, alibi_slopes=alibi)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(need, peak - before)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    need, grown = map(int, out.stdout.split())
+    s_bytes = 4 * 16 * 1400 * 1400
+    assert grown > 2 * s_bytes, "the case must exercise S-sized temporaries"
+    assert grown <= need, f"the reference kernel grew by {grown / 2**20:.0f} MiB, estimated {need / 2**20:.0f} MiB"

@@ -951,3 +951,47 @@ def test_what_a_second_outside_battery_found_is_answered_clearly(http, native, s
     assert "N = 3" in text and "packed" not in text, text
     assert _lengths(http, session) == before
     assert_serving(http, native)
+
+
+def test_what_a_third_outside_battery_found_is_answered_clearly(http, native, oip):
+    """Header numbers are decimal digits (``Inference-Header-Content-Length: 2_7_0`` or ``+270`` and
+    ``X-Request-Timeout-Ms: 1_000`` were read as Python reads them); an OIP ``id`` that is not a
+    string is refused (it was echoed whatever its type); a gRPC OIP input with both typed contents
+    and raw_input_contents is refused (the raw data silently won); a softcap under float32's
+    smallest normal is refused (0 / cap was NaN with a 200)."""
+    t = qkv(6)
+    inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "parameters": {"binary_data_size": 96}}
+              for n, x in t.items()]
+    doc = orjson.dumps({"inputs": inputs})
+    data = doc + b"".join(x.numpy().tobytes() for x in t.values())
+    for length in (f"+{len(doc)}", "_".join(str(len(doc))), f"{len(doc)}.0"):
+        r = http.post("/v2/models/attention/infer", content=data, headers={"Inference-Header-Content-Length": length})
+        assert "Inference-Header-Content-Length" in message(assert_refused(r, {400})), (length, r.text)
+    r = http.post("/v2/models/attention/infer", content=data,
+                  headers={"Inference-Header-Content-Length": str(len(doc))})
+    assert r.status_code == 200, r.text
+    for timeout in ("1_000", "1e3", "0x10", "+5"):
+        headers = {"content-type": ST, "x-request-timeout-ms": timeout}
+        r = http.post("/attention", content=good_safetensors(t), headers=headers)
+        assert "X-Request-Timeout-Ms" in message(assert_refused(r, {400})), (timeout, r.text)
+    headers = {"content-type": ST, "x-request-timeout-ms": "5000.5"}
+    r = http.post("/attention", content=good_safetensors(t), headers=headers)
+    assert r.status_code == 200, r.text
+    json_inputs = [{"name": n, "shape": list(x.shape), "datatype": "FP32", "data": x.flatten().tolist()}
+                   for n, x in t.items()]
+    for bad_id in ({"a": 1}, 5, ["a"], None):
+        r = http.post("/v2/models/attention/infer", json={"id": bad_id, "inputs": json_inputs})
+        assert '"id" must be a string' in message(assert_refused(r, {400})), (bad_id, r.text)
+    r = http.post("/v2/models/attention/infer", json={"id": "x" * 300, "inputs": json_inputs})
+    assert r.status_code == 200 and r.json()["id"] == "x" * 300, r.text  # echoed as sent
+    req = tpb.ModelInferRequest(model_name="attention")
+    for n, x in t.items():
+        inp = req.inputs.add(name=n, datatype="FP32", shape=list(x.shape))
+        inp.contents.fp32_contents.extend(x.flatten().tolist())
+        req.raw_input_contents.append(x.numpy().tobytes())
+    with pytest.raises(grpc.RpcError) as err:
+        oip.ModelInfer(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "both typed contents" in err.value.details()
+    r = http.post("/attention", params={"softcap": "1e-300"}, content=good_safetensors(t), headers={"content-type": ST})
+    assert "smallest normal" in message(assert_refused(r, {400, 422})), r.text
+    assert_serving(http, native)
