@@ -208,7 +208,8 @@ class Settings(BaseSettings):
     )
     kv_page_tokens: int = Field(64, ge=1, description="tokens per page of the sessions' KV cache")
     session_idle_s: float = Field(600.0, gt=0, description="a session without a step for this long is released")
-    max_sessions: int = Field(4096, ge=1, description="sessions held at once (a create beyond it gets 507)")
+    max_sessions: int = Field(4096, ge=1,
+                              description="sessions held at once by each server process (a create beyond it gets 507)")
     session_inline_rows: int = Field(
         64, ge=0,
         description="a session step of at most this many query rows that comes alone (its worker idle, "

@@ -11,12 +11,12 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from service.core.types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
-from service.errors import BadRequest, InvalidInput
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge
 from service.grpc.protogen import attention_stubs
 from service.wire import tensors
 from service.wire.options import parse_options
@@ -174,6 +174,33 @@ async def offload(nbytes: int, fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's own ceiling for a message-size option
+ANSWER_FRAMING_BYTES = 4096  # an answer's message around its tensors' bytes: shapes, dtypes, ids
+
+
+def message_limit(settings: Any) -> int:
+    """The largest message the server takes or sends (``--max-body-mb``)."""
+    return min(settings.max_body_bytes, MAX_MESSAGE_BYTES)
+
+
+def check_answer_fits(req: Any, settings: Any) -> None:
+    """Refuse (RESOURCE_EXHAUSTED) an attention call or session step whose answer would pass the
+    message limit, before it runs: gRPC refuses to send it only after the call ran, when a session
+    step has appended its keys (and a stream would end instead of answering it in-band)."""
+    q = getattr(req, "q", None)
+    if q is None:  # a layer call: y is the size of x, which came in a message
+        return
+    rows = q.numel() // q.shape[-1]
+    head_dim = req.v.shape[-1] if isinstance(req, AttentionRequest) else q.shape[-1]
+    n = rows * head_dim * q.element_size() + (4 * rows if req.return_lse else 0)
+    limit = message_limit(settings)
+    if n + ANSWER_FRAMING_BYTES > limit:
+        raise PayloadTooLarge(
+            f"the answer would be {n / 2**20:.2f} MiB, over the gRPC message limit of {limit / 2**20:g} MiB "
+            "(--max-body-mb); send fewer query rows a call, leave out return_lse, or raise --max-body-mb"
+        )
+
+
 def result_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -187,6 +214,12 @@ def deadline_of(context) -> float | None:
 # ---- concurrent calls on one stream -----------------------------------------------------------
 
 _END = object()
+
+
+def stream_window(window: int, settings: Any) -> int:
+    """Calls one stream may have in flight: ``window``, or ``--max-queue-size`` where smaller (a
+    stream alone must not fill the queue: its own calls would get queue_full)."""
+    return max(1, min(window, settings.max_queue_size))
 
 
 async def run_concurrently(requests: AsyncIterator, handle: Callable[[int, object], Awaitable[object]],

@@ -17,7 +17,15 @@ import torch
 
 from service.errors import BadRequest, NotFound
 from service.grpc import forward
-from service.grpc.codec import deadline_of, declared_bytes, offload, result_bytes, run_concurrently
+from service.grpc.codec import (
+    check_answer_fits,
+    deadline_of,
+    declared_bytes,
+    offload,
+    result_bytes,
+    run_concurrently,
+    stream_window,
+)
 from service.grpc.errors import error_status
 from service.grpc.protogen import inference_stubs
 from service.wire import oip
@@ -123,6 +131,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         ``inline``: decoded on the event loop, so that it reaches the engine before any later call."""
         model = oip.find_model(self.engine, request.model_name, request.model_version)
         call = await offload(0 if inline else declared_bytes(request), _decode, request, model, deadline)
+        check_answer_fits(call.request, self.engine.settings)
         outputs = await oip.infer(self.engine, call)
         return await offload(result_bytes(*outputs.values()), _response, request, outputs)
 
@@ -163,7 +172,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
                 )
 
-        async for response in run_concurrently(request_iterator, one, STREAM_WINDOW):
+        window = stream_window(STREAM_WINDOW, self.engine.settings)
+        async for response in run_concurrently(request_iterator, one, window):
             yield response
 
 

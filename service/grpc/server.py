@@ -40,7 +40,6 @@ REFLECTION_SERVICES = frozenset({reflection.SERVICE_NAME, "grpc.reflection.v1.Se
 KEY_EXEMPT_SERVICES = REFLECTION_SERVICES | {health.SERVICE_NAME}
 KEY_EXEMPT_METHODS = frozenset(oip.HEALTH_METHODS)
 STREAM_WINDOW = oip.STREAM_WINDOW  # calls one stream may have in flight (then flow control)
-MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's own ceiling for a message-size option
 
 
 # ---- status codes: service.grpc.errors, applied by the interceptor -------------------------
@@ -239,6 +238,7 @@ class AttentionServicer(SessionServicer, pb_grpc.AttentionServiceServicer):
         timing = ServerTiming() if timing is None else timing
         req = await offload(codec.declared_bytes(request), codec.attention_request, request, deadline=deadline,
                             request_id=request_id)
+        codec.check_answer_fits(req, self.engine.settings)
         timing.mark("decode")
         res = await self.engine.attend(req)
         timing.engine(res.stamps)
@@ -262,7 +262,8 @@ class AttentionServicer(SessionServicer, pb_grpc.AttentionServiceServicer):
             except Exception as exc:  # answered in-band; the stream goes on (cancelling still ends it)
                 return pb.AttendResponse(request_id=rid, error=call_error(exc))
 
-        async for response in codec.run_concurrently(request_iterator, one, STREAM_WINDOW):
+        async for response in codec.run_concurrently(request_iterator, one,
+                                                     codec.stream_window(STREAM_WINDOW, self.engine.settings)):
             yield response
 
     async def CallLayer(self, request, context):
@@ -334,7 +335,7 @@ ANSWER_LINGER_S = 0.25
 
 def create_server(engine, settings: Settings) -> grpc.aio.Server:
     """An unstarted grpc.aio server on settings.host:settings.grpc_port with every service added."""
-    limit = min(settings.max_body_bytes, MAX_MESSAGE_BYTES)
+    limit = codec.message_limit(settings)
     interceptor = ServiceInterceptor(settings)
     server = grpc.aio.server(
         options=[

@@ -91,6 +91,7 @@ class SessionServicer:
         timing = ServerTiming() if timing is None else timing
         nbytes = 0 if inline else declared_bytes(request)
         step = await offload(nbytes, session_step, request, deadline=deadline, request_id=request_id)
+        codec.check_answer_fits(step, self.engine.settings)
         timing.mark("decode")
         res = await self.engine.sessions.step(step)
         timing.engine(res.stamps)
@@ -132,7 +133,8 @@ class SessionServicer:
             except Exception as exc:  # answered in-band; the stream goes on (cancelling still ends it)
                 return pb.AttendResponse(request_id=rid, error=self.in_band_error(exc))
 
-        async for response in codec.run_concurrently(request_iterator, one, STREAM_WINDOW):
+        async for response in codec.run_concurrently(request_iterator, one,
+                                                     codec.stream_window(STREAM_WINDOW, self.engine.settings)):
             yield response
 
     async def GetSession(self, request, context):

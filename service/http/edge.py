@@ -1,8 +1,9 @@
 """What wraps every HTTP request before a route sees it: the API key (except health probes), the
 ``X-Request-Id`` echo (generated when absent), per-route Prometheus metrics, and a last-resort 500.
 
-The hot routes (``routes.DirectRoute``: the attention call and the session steps) are called from
-here, past the framework's own middleware and router: for a small call those layers cost more host
+The edge is the outermost ASGI app (``app.create_app``), FastAPI behind it. The hot routes
+(``routes.DirectRoute``: the attention call and the session steps) are called from here, past
+FastAPI's own middleware and router: for a small call those layers cost more host
 time than what they do for these routes (nothing: their errors are ``ServiceError``s, answered here
 as the app's handlers answer them; docs/benchmarks/service.md#latency).
 """

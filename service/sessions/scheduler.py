@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -230,12 +231,16 @@ def _enqueue(cache: KVCache, works: list[Work], lock: Any, parts: list[_Launched
     known = (host[:s1], host[2 * s1 + n_seq : 2 * s1 + 2 * n_seq], host[2 * s1 + 2 * n_seq :].view(n_seq, width))
     staged = time.perf_counter()
     with lock:
-        if k is not None:
-            kernels.append_paged(arena.k, arena.v, d_table, d_before, k, v, d_cu_new)
-        o, lse = kernels.attention_paged(q, arena.k, arena.v, d_table, d_after, d_cu_q, causal=first.causal,
-                                         scale=first.scale, return_lse=True, host_index=known,
-                                         window_size=(masks.left, masks.right), softcap=masks.softcap,
-                                         alibi_slopes=alibi)
+        if arena.k is None:  # no page of this geometry yet (q-only steps of empty sessions): no key anywhere
+            o = torch.zeros_like(q)
+            lse = torch.full((hq, t_q), -math.inf, dtype=torch.float32, device=q.device)
+        else:
+            if k is not None:
+                kernels.append_paged(arena.k, arena.v, d_table, d_before, k, v, d_cu_new)
+            o, lse = kernels.attention_paged(q, arena.k, arena.v, d_table, d_after, d_cu_q, causal=first.causal,
+                                             scale=first.scale, return_lse=True, host_index=known,
+                                             window_size=(masks.left, masks.right), softcap=masks.softcap,
+                                             alibi_slopes=alibi)
     done = None
     if cuda:
         _, (o_host, lse_host) = carve([(o.dtype, tuple(o.shape)), (lse.dtype, tuple(lse.shape))], pin=True)

@@ -258,6 +258,10 @@ def build_call(
     if sequence is not None:
         return sequence_call(model, sequence, tensors, parameters, requested, request_id=request_id,
                              deadline=deadline, arrived=arrived)
+    flags = [n for n in ("sequence_start", "sequence_end") if parameters.get(n) not in (None, False, 0, "", "false")]
+    if flags and model.is_attention:  # a start or end of no sequence: not a plain call in disguise
+        raise BadRequest(f"parameter {flags[0]!r} needs a sequence_id (an integer other than 0, or a "
+                         "non-empty string)")
     missing = [t.name for t in model.inputs if not t.optional and t.name not in tensors]
     if missing:
         raise BadRequest(f"missing input{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
@@ -281,10 +285,10 @@ def build_call(
 
 def sequence_id(value: Any) -> str | None:
     """``sequence_id`` -> the session id (``str`` of an integer); None for no sequence (absent, 0, "")."""
+    if isinstance(value, bool) or not (value is None or isinstance(value, int | str)):  # 0.0 and False == 0
+        raise BadRequest(f"parameter 'sequence_id' must be an integer or a string, got {value!r}")
     if value is None or value == 0 or value == "":
         return None
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise BadRequest(f"parameter 'sequence_id' must be an integer or a string, got {value!r}")
     return str(value)
 
 

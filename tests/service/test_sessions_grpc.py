@@ -394,3 +394,43 @@ def test_clients_send_the_session_affinity_header(recording_proxy, transport):
         with c.session(HKV, D, "float32") as s:
             s.step(*qkv(1, 9))
     assert [value for _, value in seen] == ["stack-7"] * 3, seen
+
+
+def test_a_q_only_step_of_an_empty_session_sees_no_key(client, http):
+    """A q-only step before any key of its geometry is held anywhere: o = 0, lse = -inf (it was a 422
+    about the cache's missing pages: "k_pages must be a torch.Tensor"), over both transports."""
+    for c in (client, http):
+        s = c.create_session(3, 8, "float32")  # a geometry no other test's session holds
+        q = rand(1, 6, 2, 8, seed=90)
+        o, lse = c.step(s, q, return_lse=True)
+        assert torch.equal(o, torch.zeros_like(q)) and bool((lse == -float("inf")).all())
+        assert c.get_session(s)["lengths"] == [0]
+        c.delete_session(s)
+
+
+@pytest.fixture(scope="module")
+def small_messages(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("sessions-grpc-small"), *SERVER_ARGS, "--max-body-mb", "0.5") as s:
+        with GrpcAttentionClient(s.grpc_target, timeout=60.0) as c:
+            yield c
+
+
+def test_a_step_whose_answer_passes_the_message_limit_appends_nothing(small_messages):
+    """An answer larger than its request (many query heads a KV head, D 1, lse) over gRPC's message
+    limit (--max-body-mb 0.5) is refused before the step runs: RESOURCE_EXHAUSTED naming the sizes,
+    nothing appended; in a stream, in-band, and the stream goes on. (gRPC refused to send it after
+    the step had appended its keys, and a stream ended there.)"""
+    c = small_messages
+    s = c.create_session(1, 1, "bfloat16")
+    q, k, v = (rand(1, h, 400, 1, seed=91 + h).bfloat16() for h in (256, 1, 1))  # 206 KB in, 614 KB out
+    err = _status(c.step, s, q, k, v, return_lse=True)
+    assert err.status == grpc.StatusCode.RESOURCE_EXHAUSTED and "answer would be" in err.message, err
+    assert c.get_session(s)["lengths"] == [0]
+    out = dict(c.session_stream([dict(sessions=[s.id], q=q, k=k, v=v, return_lse=True),
+                                 dict(sessions=[s.id], q=q[:, :, :4], k=k[:, :, :4], v=v[:, :, :4])]))
+    assert isinstance(out["0"], AttentionServiceError) and out["0"].status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert out["1"].shape == (1, 256, 4, 1)
+    assert c.get_session(s)["lengths"] == [4]
+    o = c.step(s, q[:, :, :100], k[:, :, :100], v[:, :, :100])  # 51 KB out: answered
+    assert o.shape == (1, 256, 100, 1) and c.get_session(s)["lengths"] == [104]
+    c.delete_session(s)

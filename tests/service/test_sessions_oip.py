@@ -134,3 +134,24 @@ def test_a_stream_s_sequence_steps_take_effect_in_stream_order(server, native):
     for i in range(len(sizes)):
         want = native.attention(qs[i], torch.cat(ks[: i + 1], 2), torch.cat(vs[: i + 1], 2), causal=True)
         torch.testing.assert_close(got[str(i)], want, rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_parameters_that_name_no_sequence_are_refused(server):
+    """``sequence_id`` 0.0 or false (equal to 0 in Python) and a sequence_start or sequence_end
+    without a sequence_id ran a plain non-causal call with a 200; they are 400s."""
+    import httpx
+
+    q, k, v = rand(1, HQ, 3, D, seed=4), rand(1, HKV, 3, D, seed=5), rand(1, HKV, 3, D, seed=6)
+    inputs = [{"name": n, "shape": list(t.shape), "datatype": "FP32", "data": t.flatten().tolist()}
+              for n, t in (("q", q), ("k", k), ("v", v))]
+    cases = [({"sequence_id": 0.0}, "sequence_id"), ({"sequence_id": False}, "sequence_id"),
+             ({"sequence_start": True}, "needs a sequence_id"), ({"sequence_id": "", "sequence_start": True},
+                                                                 "needs a sequence_id"),
+             ({"sequence_id": 0, "sequence_end": True}, "needs a sequence_id")]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for params, words in cases:
+            r = http.post("/v2/models/attention/infer", json={"inputs": inputs, "parameters": params})
+            assert r.status_code == 400 and words in r.json()["error"], (params, r.text)
+        r = http.post("/v2/models/attention/infer", json={"inputs": inputs, "parameters": {"sequence_id": 0,
+                                                                                           "sequence_start": False}})
+        assert r.status_code == 200, r.text
