@@ -71,10 +71,10 @@ def attention_memory(req: AttentionRequest, device_type: str) -> int:
     need = es * (2 * b * hq * nq * d + 2 * b * hkv * nk * d) + 4 * b * hq * nq + 8 * b
     if req.kernel == "reference":  # S-sized float32 temporaries, k/v expanded to Hq heads
         masks = req.spec.masks
-        # S, its exponentials and their product's inputs; one more for the modifiers (cap, ALiBi)
-        # and one for a mask (causal, window, kv_lengths)
-        scores = 4 + (masks.softcap > 0 or masks.alibi is not None) + (
-            req.causal or req.kv_lengths is not None or masks.left >= 0 or masks.right >= 0)
+        # a process's peak, with the server's allocator keeping freed blocks (service.allocator):
+        # 5 S plain, up to 8 S with a cap, ALiBi or a mask (causal, window, kv_lengths)
+        masked = masks.active or req.causal or req.kv_lengths is not None
+        scores = 9 if masked else 6
         need += 4 * (scores * b * hq * nq * nk + 2 * b * hq * nk * d + 2 * b * hq * nq * d)
     elif req.kernel == "flash_v1":  # float32 O/m/l partials, one per key slice (kernels/flash_v1.py)
         from kernels.flash_v1 import MAX_SPLITS
