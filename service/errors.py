@@ -5,6 +5,16 @@ HTTP by ``http_status``, gRPC by ``grpc_code`` (names of ``grpc.StatusCode``), p
 from __future__ import annotations
 
 
+def size_text(n: float) -> str:
+    """Bytes as an error message shows them: '48.8 KiB', '1.5 MiB', '2 GiB' (three digits; a small
+    limit's sizes once read '0.00 MiB of 0.05 MiB')."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.3g} {unit}" if abs(v) < 999.5 else f"{v:.0f} {unit}"
+    return f"{n:.0f} bytes"
+
+
 class ServiceError(Exception):
     """Base: ``message`` is what a person reads; ``code`` is a stable machine-readable name."""
 

@@ -20,13 +20,16 @@ Sliding-window layers (Mistral's ``sliding_window``; Qwen2's ``use_sliding_windo
 ``layer_types`` mix ``"sliding_attention"`` and ``"full_attention"``) step with
 ``window_size=(W - 1, 0)``: a query sees itself and the W - 1 tokens before it, as transformers'
 sliding mask (key j visible to query i iff i - W < j <= i) does; full layers step with
-``(-1, -1)``. The session holds every token; the window is applied by the server.
+``(-1, -1)``. The session holds every token; the window is applied by the server. A layer's soft
+cap (Gemma 2's ``attn_logit_softcapping``) is the steps' ``softcap``.
 
 Not supported (a clear error, never a silent wrong answer): dropout, a backward through the
 attention (training), ``output_attentions``, chunked (``attention_chunk_size``) or non-causal
 attention, layer types other than full and sliding attention, additive attention biases, beam
 search and other cache reordering, cropping (assisted decoding), and a model whose attention is
 not ``"attnserve"``.
+
+A cache dropped without ``close()`` deletes its sessions when it is collected.
 
 This module imports transformers; ``service.client`` does not import this module.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -184,7 +188,7 @@ class SessionCache(Cache):
         self._model_config = text if hasattr(model_or_config, "config") else None
         if dtype is None:
             dtype = getattr(model_or_config, "dtype", None) if hasattr(model_or_config, "config") else None
-            dtype = dtype or getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
+            dtype = dtype or getattr(text, "dtype", None) or torch.float32  # (torch_dtype: a deprecated alias)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype_name(dtype))
         self.client = client
@@ -212,6 +216,8 @@ class SessionCache(Cache):
             except Exception as error:
                 exc.add_note(f"SessionCache.close() also failed: {error!r}")
             raise
+        # a cache dropped without close() (used as a DynamicCache is) deletes what it holds when collected
+        weakref.finalize(self, _delete_left, self.sessions)
 
     @property
     def batch_size(self) -> int:
@@ -308,10 +314,10 @@ class SessionCache(Cache):
 
     def _step(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               past: int, attention_mask: torch.Tensor | None, scaling: float | None,
-              sliding_window: int | None = None) -> torch.Tensor:
+              sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q (B, Hq, n, D), k/v (B, Hkv, n, D) -> o (B, n, Hq, D): one packed step of every row that
         has a real (not pad) new token, with ``window_size=(W - 1, 0)`` for ``sliding_window`` W (else
-        ``(-1, -1)``); then, for pads after a row's last real token (right padding), one q-only
+        ``(-1, -1)``) and ``softcap``; then, for pads after a row's last real token (right padding), one q-only
         non-causal packed step over all the row holds. Other pads' o are zeros."""
         layer = self.layers[layer_idx]
         b, hq, n, d = query.shape
@@ -328,7 +334,7 @@ class SessionCache(Cache):
             k = keys.transpose(1, 2)[real].to("cpu", self.dtype)
             v = values.transpose(1, 2)[real].to("cpu", self.dtype)
             o = self.client.packed_step([self.sessions[i] for i in rows], q, k, v, [q_lengths[i] for i in rows],
-                                        layer=layer_idx, scale=scaling,
+                                        layer=layer_idx, scale=scaling, softcap=softcap,
                                         window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, 0))
             out[real] = o.to(device, query.dtype)
         for i in range(b):
@@ -340,9 +346,21 @@ class SessionCache(Cache):
             pads = tail.to(device)
             q = query.transpose(1, 2)[pads].to("cpu", self.dtype)
             o = self.client.packed_step([self.sessions[i] for i in t_rows], q, None, None,
-                                        [t_lengths[i] for i in t_rows], layer=layer_idx, scale=scaling, causal=False)
+                                        [t_lengths[i] for i in t_rows], layer=layer_idx, scale=scaling, causal=False,
+                                        softcap=softcap)
             out[pads] = o.to(device, query.dtype)
         return out
+
+
+def _delete_left(sessions: list[Session]) -> None:
+    """A collected SessionCache's sessions that ``close()`` did not delete: deleted, best effort (a
+    delete that fails ends it quietly; the server ends the rest after ``--session-idle-s``)."""
+    for s in list(sessions):
+        try:
+            s.delete(missing_ok=True)
+        except Exception:  # noqa: BLE001 - at collection or exit there is no one to tell
+            return
+        sessions.remove(s)
 
 
 def _answered(exc: BaseException) -> bool:
@@ -403,7 +421,9 @@ def _new_tokens(attention_mask: torch.Tensor | None, b: int, n: int, past: int, 
         seen = "causal attention" if window is None else f"causal attention in a sliding window of {window}"
         raise NotImplementedError(f"attnserve serves {seen} over a row's real tokens only (the tokens its session "
                                   "holds); the mask has another pattern (a window, a bidirectional block, a custom "
-                                  "mask, other pad positions: on a sliding-window layer, pad on the left)")
+                                  "mask, or pads a sliding-window layer cannot leave out: pads inside a row, such as a "
+                                  "continuation's own left pads, count in transformers' window but not in the "
+                                  "session's; pad only the first prompt, on the left)")
     later = new.flip(1).long().cumsum(1).flip(1) > new.long()  # (B, n): a real new token comes after
     tail = ~new & ~later & (real.long().cumsum(1)[:, past:] > 0)
     pads = tail[:, None, :, None].expand(-1, attend.shape[1], -1, past + n)
@@ -425,6 +445,12 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     a full layer's step has ``(-1, -1)``."""
     entry = getattr(_staged, "entry", None)
     _staged.entry = None
+    if entry is None and kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        # an encoder's or a vision tower's attention: it never has a cache to stage its keys in
+        raise NotImplementedError(
+            f"attnserve sessions serve causal (decoder) attention only; {type(module).__name__} is not causal: give "
+            'that part of the model another attention, e.g. model.set_attn_implementation({"text_config": '
+            '"attnserve", "vision_config": "sdpa"})')
     if entry is None:
         raise RuntimeError('attn_implementation "attnserve" needs cache=SessionCache(...) '
                            "(and use_cache): no keys were staged for this attention call")
@@ -437,10 +463,10 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                                "call, which attnserve cannot serve")
         if getattr(module, "layer_idx", layer_idx) != layer_idx:
             raise RuntimeError(f"attention of layer {module.layer_idx} got the keys staged for layer {layer_idx}")
-        window = _check_options(module, dropout, kwargs)
+        window, cap = _check_options(module, dropout, kwargs)
 
         def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return cache._step(layer_idx, q, k, v, past, attention_mask, scaling, window)
+            return cache._step(layer_idx, q, k, v, past, attention_mask, scaling, window, cap)
 
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
             return _ServedAttention.apply(step, query, key, value), None
@@ -467,8 +493,9 @@ class _ServedAttention(torch.autograd.Function):
                            '(model.set_attn_implementation("sdpa")), or run inference under torch.no_grad()')
 
 
-def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> int | None:
-    """Raise for what attnserve cannot serve; return the layer's sliding window W (or None)."""
+def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> tuple[int | None, float | None]:
+    """Raise for what attnserve cannot serve; return the layer's sliding window W and its soft cap
+    (Gemma 2's ``attn_logit_softcapping``), each None when off."""
     if dropout:
         raise NotImplementedError(f"attnserve attention has no dropout (got {dropout}); call model.eval()")
     config = getattr(module, "config", None)
@@ -476,13 +503,16 @@ def _check_options(module: torch.nn.Module, dropout: float, kwargs: dict[str, An
         raise NotImplementedError("attnserve attention does not return attention weights (output_attentions)")
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise NotImplementedError("attnserve sessions serve causal attention only")
-    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+    for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attnserve attention does not support {name}")
     window = kwargs.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise NotImplementedError(f"attnserve needs sliding_window to be a positive int; got {window!r}")
-    return window
+    cap = kwargs.get("softcap")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap >= 0):
+        raise NotImplementedError(f"attnserve needs softcap to be a number >= 0; got {cap!r}")
+    return window, cap or None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attnserve_attention)

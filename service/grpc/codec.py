@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from service.core.types import AttentionRequest, AttentionResult, LayerRequest, LayerResult
-from service.errors import BadRequest, InvalidInput, PayloadTooLarge
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge, size_text
 from service.grpc.protogen import attention_stubs
 from service.wire import tensors
 from service.wire.options import parse_options
@@ -196,7 +196,7 @@ def check_answer_fits(req: Any, settings: Any) -> None:
     limit = message_limit(settings)
     if n + ANSWER_FRAMING_BYTES > limit:
         raise PayloadTooLarge(
-            f"the answer would be {n / 2**20:.2f} MiB, over the gRPC message limit of {limit / 2**20:g} MiB "
+            f"the answer would be {size_text(n)}, over the gRPC message limit of {size_text(limit)} "
             "(--max-body-mb); send fewer query rows a call, leave out return_lse, or raise --max-body-mb"
         )
 

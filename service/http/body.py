@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, size_text
 from service.settings import Settings
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -
     if coding not in ("identity", ""):  # the body would be parsed as the compressed bytes it is
         raise UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported; send the body uncompressed")
     too_large = PayloadTooLarge(
-        f"the request body is over the limit of {limit / 2**20:g} MiB ({flag})"
+        f"the request body is over the limit of {size_text(limit)} ({flag})"
         + ("; send large tensors as application/x-safetensors" if flag == "--max-json-mb" else "")
     )
     declared = request.headers.get("content-length")

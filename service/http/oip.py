@@ -18,7 +18,7 @@ import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.errors import BadRequest, PayloadTooLarge, Unavailable
+from service.errors import BadRequest, PayloadTooLarge, Unavailable, size_text
 from service.http import body
 from service.http.disconnect import unless_gone
 from service.http.json_tensors import flat_tensor, parse_json
@@ -47,7 +47,7 @@ def _split_body(data: bytearray, header_length: str | None, json_limit: int) -> 
             )
     if n > json_limit:
         raise PayloadTooLarge(
-            f"the JSON part of the request is {n / 2**20:.1f} MiB, over the limit of {json_limit / 2**20:g} MiB "
+            f"the JSON part of the request is {size_text(n)}, over the limit of {size_text(json_limit)} "
             "(--max-json-mb); send large tensors as binary tensor data"
         )
     doc = parse_json(view[:n])

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.errors import InsufficientStorage
+from service.errors import InsufficientStorage, size_text
 
 MIN_ARENA_PAGES = 16  # the first allocation of a geometry
 
@@ -133,9 +133,9 @@ class KVCache:
         page_bytes = geometry.page_bytes(self.page_tokens)
         if self.used_bytes + total * page_bytes > self.capacity_bytes:
             raise NoRoom(
-                f"no room in the KV cache on {self.device}: this step needs {total * page_bytes / 2**20:.2f} MiB "
-                f"more ({total} pages of {self.page_tokens} tokens), {self.free_bytes / 2**20:.2f} MiB of "
-                f"{self.capacity_bytes / 2**20:.2f} MiB are free (--kv-cache-mb); end sessions you no longer "
+                f"no room in the KV cache on {self.device}: this step needs {size_text(total * page_bytes)} "
+                f"more ({total} pages of {self.page_tokens} tokens), {size_text(self.free_bytes)} of "
+                f"{size_text(self.capacity_bytes)} are free (--kv-cache-mb); end sessions you no longer "
                 "need (DELETE /sessions/{id} or end=true) or retry later"
             )
         arena = self.arena(geometry)

@@ -46,6 +46,7 @@ from service.errors import (
     NotFound,
     QueueFull,
     ServiceError,
+    size_text,
 )
 from service.sessions import routing
 from service.sessions.cache import Geometry, KVCache, SequenceKV
@@ -243,8 +244,8 @@ class SessionManager:
         if page > cache.capacity_bytes:
             raise InsufficientStorage(
                 f"a session of {g.num_kv_heads} kv heads x head_dim {g.head_dim} in {DTYPE_NAMES[g.dtype]} takes "
-                f"{page / 2**20:.2f} MiB a page of {cache.page_tokens} tokens (keys and values), more than the "
-                f"whole KV cache of {cache.capacity_bytes / 2**20:.2f} MiB (--kv-cache-mb)")
+                f"{size_text(page)} a page of {cache.page_tokens} tokens (keys and values), more than the "
+                f"whole KV cache of {size_text(cache.capacity_bytes)} (--kv-cache-mb)")
 
     def describe(self, session: str) -> dict[str, Any]:
         return self._info(self.table.get(session))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import torch
 
-from service.errors import BadRequest, InvalidInput, PayloadTooLarge
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge, size_text
 
 if TYPE_CHECKING:
     from service.core.types import Stamps
@@ -128,7 +128,7 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
 
 def check_tensor_bytes(nbytes: int, limit: int, name: str) -> None:
     if nbytes > limit:
-        raise PayloadTooLarge(f"{name} is {nbytes / 2**20:.1f} MiB, over the limit of {limit / 2**20:.0f} MiB")
+        raise PayloadTooLarge(f"{name} is {size_text(nbytes)}, over the limit of {size_text(limit)}")
 
 
 class ServerTiming:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.errors import Conflict, InsufficientStorage, NotFound
+from service.errors import Conflict, InsufficientStorage, NotFound, size_text
 from service.sessions.cache import MIN_ARENA_PAGES, Geometry, KVCache, NoRoom, SequenceKV
 from service.sessions.manager import Session, SessionTable
 from service.sessions.step import SessionStep, check_session_id
@@ -60,9 +60,12 @@ def test_no_room_changes_nothing_and_says_what_is_free():
     cache = KVCache("cpu", 4 * G.page_bytes(PAGE), PAGE)
     a, b = SequenceKV(), SequenceKV()
     cache.reserve(G, [(a, 12)])  # 3 of 4 pages
-    with pytest.raises(NoRoom, match="MiB are free") as err:
+    with pytest.raises(NoRoom, match="are free") as err:
         cache.reserve(G, [(b, 4), (a, 4)])  # 2 more pages: over the budget
     assert err.value.http_status == 507
+    page = G.page_bytes(PAGE)  # sizes in a unit they read in (a small cache once read "0.00 MiB")
+    assert f"needs {size_text(2 * page)} more" in err.value.message and size_text(page) + " of " in err.value.message
+    assert "0.00" not in err.value.message
     assert (a.length, len(a.pages), b.length, list(b.pages)) == (12, 3, 0, [])
     cache.reserve(G, [(b, 4)])  # the last page still fits
     assert cache.free_bytes == 0

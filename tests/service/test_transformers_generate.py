@@ -505,3 +505,54 @@ def test_a_session_cache_refuses_an_empty_batch_and_serves_autocast(models, serv
             got = generate(served, ids, cache=cache)
     assert torch.equal(got, want), (got, want)
     assert session_count(server) == 0
+
+
+def test_gemma2_soft_capped_sliding_and_full_layers_equal_the_local_model(server, http):
+    """A tiny Gemma 2 (alternating sliding and full layers, ``attn_logit_softcapping``): the steps
+    carry its soft cap, and greedy tokens equal the local model's on eager attention (sdpa takes no
+    cap); a small cap, so the cap decides (it was refused at the first forward)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(**{**TINY, "num_hidden_layers": 2}, head_dim=16, sliding_window=WINDOW,
+                          attn_logit_softcapping=0.5, query_pre_attn_scalar=16)
+    torch.manual_seed(0)
+    local = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in local.model.layers:  # scores of a few units, where a cap of 0.5 bends them
+            layer.self_attn.q_proj.weight.mul_(30)
+    served = Gemma2ForCausalLM(copy.deepcopy(config)).eval()
+    served.load_state_dict(local.state_dict())
+    local.set_attn_implementation("eager")
+    use_attnserve(served)
+    ids = prompt(20, seed=9)[None]
+    uncapped = copy.deepcopy(local)
+    uncapped.config.attn_logit_softcapping = None
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    with torch.no_grad():
+        assert not torch.allclose(local(ids).logits[0, -1], uncapped(ids).logits[0, -1], atol=1e-3)
+    want = generate(local, ids)
+    with SessionCache(http, served, batch_size=1) as cache:
+        got = generate(served, ids, cache=cache)
+    assert torch.equal(got, want), (got, want)
+    assert session_count(server) == 0
+
+
+def test_a_dropped_cache_deletes_its_sessions_and_a_non_causal_module_is_named(models, server, http):
+    """A SessionCache used as a DynamicCache is (no with, no close()) deletes its sessions once
+    collected (they stayed until --session-idle-s). An encoder's (non-causal) attention call says it
+    is not causal (it said a SessionCache was needed, though one was given)."""
+    import gc
+
+    _, served = models
+    cache = SessionCache(http, served, batch_size=2)
+    generate(served, prompt(6, seed=3)[None].expand(2, -1), cache=cache)
+    assert session_count(server) == 2
+    del cache
+    gc.collect()
+    assert session_count(server) == 0
+    encoder = torch.nn.Module()
+    encoder.is_causal = False
+    q = torch.randn(1, 4, 3, 16)
+    with pytest.raises(NotImplementedError, match="not causal"):
+        attnserve_attention(encoder, q, q, q, None)
