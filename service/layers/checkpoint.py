@@ -22,6 +22,7 @@ from service.wire.tensors import FLOAT_DTYPES
 log = logging.getLogger("attnserve.layers")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # goes into URLs (/layers/{name}) and OIP model names
 
 
@@ -55,12 +56,16 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 def load_layers(settings) -> dict[str, Layer]:
     """Every ``settings.layer`` spec, loaded in order, in ``settings.layer_dtype`` (else the checkpoint's)."""
+    from service.wire import oip
     dtype = parse_dtype(settings.layer_dtype)
     layers: dict[str, Layer] = {}
     for spec in settings.layer:
         name, folder, index = parse_layer_spec(spec)
         if name in layers:
             raise LayerConfigError(f"layer spec {spec!r}: the name {name!r} is given twice")
+        if name == oip.ATTENTION:  # an OIP model of its own name: that one is the attention's
+            raise LayerConfigError(f"layer spec {spec!r}: the name {name!r} is the Open Inference Protocol's "
+                                   "attention model; name the layer otherwise")
         layers[name] = load_layer(name, folder, index, dtype)
     return layers
 
@@ -133,6 +138,10 @@ class TensorStore:
                 self.files: dict[str, str] = dict(json.loads((folder / self.INDEX).read_text())["weight_map"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise self._error(f"cannot read the weight_map of {folder / self.INDEX}: {exc!r}") from None
+            bad = next((k for k, v in self.files.items() if not isinstance(v, str)), None)
+            if bad is not None:
+                raise self._error(f"the weight_map of {folder / self.INDEX} names {self.files[bad]!r} as the file "
+                                  f"of {bad!r}: a file name (a string) is expected")
         elif (folder / self.SINGLE).is_file():
             self.listing = self.SINGLE
             with self._open(self.SINGLE) as f:
@@ -183,8 +192,10 @@ class TensorStore:
                             f"tensor {tname!r} in {path} has shape {list(t.shape)}, "
                             f"but config.json implies {list(shape)}"
                         )
-                    if not t.is_floating_point():
-                        raise self._error(f"tensor {tname!r} in {path} has dtype {t.dtype}, not a float")
+                    if t.dtype not in WEIGHT_DTYPES:  # float8 weights need their scales (quantized): not read
+                        raise self._error(f"tensor {tname!r} in {path} has dtype {t.dtype}; the weights must be "
+                                          "float16, bfloat16, float32 or float64 (a quantized checkpoint is not "
+                                          "served: use its unquantized release)")
                     out[key] = t
         return out
 

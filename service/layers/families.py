@@ -57,7 +57,7 @@ def model_type_of(config: dict[str, Any], folder: Path, where: str) -> str:
     archs = config.get("architectures") or []
     if model_type is None and isinstance(archs, list):
         model_type = next((t for a in archs for p, t in ARCH_PREFIX.items() if str(a).startswith(p)), None)
-    if model_type not in FAMILY_OF:
+    if not isinstance(model_type, str) or model_type not in FAMILY_OF:
         raise LayerConfigError(
             f"{where}: unknown model family (model_type={config.get('model_type')!r}, "
             f"architectures={archs!r}) in {folder / 'config.json'}; "
@@ -152,7 +152,10 @@ def sliding_window(config: dict[str, Any], model_type: str, index: int, where: s
     if isinstance(layer_types, list) and index < len(layer_types):
         active = layer_types[index] == "sliding_attention"
     elif model_type == "qwen2":
-        active = bool(config.get("use_sliding_window")) and index >= int(config.get("max_window_layers") or 0)
+        first = config.get("max_window_layers") or 0
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise LayerConfigError(f"{where}: max_window_layers must be a non-negative integer, got {first!r}")
+        active = bool(config.get("use_sliding_window")) and index >= first
     else:
         active = model_type in ("mistral", "mixtral")
     return int(window) if active else None
@@ -161,15 +164,21 @@ def sliding_window(config: dict[str, Any], model_type: str, index: int, where: s
 def _rope(config: dict[str, Any], head_dim: int, where: str) -> Rope:
     """inv_freq of HF's plain RoPE, and of its "linear" and "llama3" rope_scaling types."""
     params = config.get("rope_parameters")  # newer HF configs keep theta and the scaling together here
-    scaling = params if isinstance(params, dict) else config.get("rope_scaling")
+    legacy = config.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise LayerConfigError(f"{where}: config.json {key} must be a JSON object or null, got {value!r}")
+    # a config with both: transformers takes the scaling from rope_scaling
+    scaling = legacy if legacy else params
     theta = (params or {}).get("rope_theta", config.get("rope_theta"))
     theta = 10000.0 if theta is None else theta  # HF's default
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0.0 < theta < math.inf:
         raise LayerConfigError(f"{where}: rope_theta must be a positive number, got {theta!r}")
     theta = float(theta)
-    partial = config.get("partial_rotary_factor")
-    if partial not in (None, 1, 1.0):
-        raise LayerConfigError(f"{where}: partial_rotary_factor={partial} is not supported (only full RoPE)")
+    for partial in (config.get("partial_rotary_factor"), (params or {}).get("partial_rotary_factor")):
+        if partial is not None and (isinstance(partial, bool) or partial != 1):
+            raise LayerConfigError(f"{where}: partial_rotary_factor {partial!r} is not supported: only full RoPE "
+                                   "(the number 1)")
     if head_dim % 2:
         raise LayerConfigError(f"{where}: RoPE needs an even head_dim, got {head_dim}")
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
@@ -178,21 +187,36 @@ def _rope(config: dict[str, Any], head_dim: int, where: str) -> Rope:
             f"{where}: rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    try:
-        if rope_type == "linear":
-            inv_freq = inv_freq / float(scaling["factor"])
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-    except KeyError as exc:
-        raise LayerConfigError(f"{where}: rope_scaling of type {rope_type!r} lacks {exc.args[0]!r}") from None
+    if rope_type == "linear":
+        inv_freq = inv_freq / _scaling_number(scaling, "factor", rope_type, where, at_least=1.0)
+    elif rope_type == "llama3":
+        low, high = (_scaling_number(scaling, k, rope_type, where) for k in ("low_freq_factor", "high_freq_factor"))
+        if not high > low:
+            raise LayerConfigError(f"{where}: rope_scaling of type 'llama3' needs high_freq_factor > low_freq_factor, "
+                                   f"got {high:g} and {low:g}")
+        inv_freq = _llama3_inv_freq(inv_freq, _scaling_number(scaling, "factor", rope_type, where, at_least=1.0),
+                                    low, high,
+                                    _scaling_number(scaling, "original_max_position_embeddings", rope_type, where))
     return Rope(inv_freq.to(torch.float32))
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+def _scaling_number(scaling: dict[str, Any], key: str, rope_type: str, where: str, at_least: float = 0.0) -> float:
+    """A rope_scaling field: a finite number, at least ``at_least`` (else positive); a clear error otherwise
+    (a factor of 0 gave all-NaN answers, a negative one a reversed rotation)."""
+    if key not in scaling:
+        raise LayerConfigError(f"{where}: rope_scaling of type {rope_type!r} lacks {key!r}")
+    value = scaling[key]
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value) and (
+        value >= at_least if at_least else value > 0)
+    if not ok:
+        bound = f"a number of at least {at_least:g}" if at_least else "a positive number"
+        raise LayerConfigError(f"{where}: rope_scaling {key} must be {bound}, got {value!r}")
+    return float(value)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: float,
+                     old_len: float) -> torch.Tensor:
     """Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth blend between."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)

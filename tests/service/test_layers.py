@@ -328,7 +328,8 @@ def test_parse_layer_spec_errors(spec):
 
 def _edit(folder, edit) -> None:
     """One edit of a checkpoint folder: ("config", {changes}), ("drop" | "add", file, tensor name),
-    ("unlink", file), ("rename", file, new name) or ("write", file, text)."""
+    ("retype", file, tensor name, dtype), ("index", tensor name, weight_map value), ("unlink", file),
+    ("rename", file, new name) or ("write", file, text)."""
     op, *args = edit
     if op == "config":
         path = folder / "config.json"
@@ -342,6 +343,15 @@ def _edit(folder, edit) -> None:
         else:
             tensors[args[1]] = torch.ones(8)
         save_file(tensors, str(path), metadata={"format": "pt"})
+    elif op == "retype":  # a tensor stored in another dtype (a quantized checkpoint's float8)
+        tensors = load_file(str(path))
+        tensors[args[1]] = tensors[args[1]].to(args[2])
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    elif op == "index":  # the index's weight_map entry of a tensor set to a value
+        index = folder / "model.safetensors.index.json"
+        doc = json.loads(index.read_text())
+        doc["weight_map"][args[0]] = args[1]
+        index.write_text(json.dumps(doc))
     elif op == "unlink":
         path.unlink()
     elif op == "rename":
@@ -386,7 +396,7 @@ BROKEN = [
      r"rope_scaling type 'dynamic'"),
     ("rope-linear-no-factor", "llama", {"rope_scaling": {"rope_type": "linear"}}, None, 0, r"lacks 'factor'"),
     ("partial-rotary", "llama", {"config_extra": {"partial_rotary_factor": 0.5}}, None, 0,
-     r"partial_rotary_factor=0\.5"),
+     r"partial_rotary_factor 0\.5 is not supported"),
     ("qwen3-qk-norm", "llama", {}, ("add", "model.safetensors", "model.layers.0.self_attn.q_norm.weight"), 0,
      r"q_norm/k_norm"),
     # each once a traceback after the ports were bound, a message naming nothing, all-NaN answers, or 10000
@@ -398,6 +408,29 @@ BROKEN = [
      r"rope_theta must be a positive number, got -1"),
     ("zero-rope-theta", "llama", {"config_extra": {"rope_theta": 0}}, None, 0,
      r"rope_theta must be a positive number, got 0"),
+    # a third outside battery: each was all-NaN answers, a reversed rotation, garbage, or a traceback
+    ("rope-linear-factor-0", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 0}}, None, 0,
+     r"rope_scaling factor must be a number of at least 1, got 0"),
+    ("rope-linear-factor-negative", "llama", {"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, None, 0,
+     r"factor must be a number of at least 1, got -2\.0"),
+    ("rope-linear-factor-null", "llama", {"rope_scaling": {"rope_type": "linear", "factor": None}}, None, 0,
+     r"factor must be a number of at least 1, got None"),
+    ("rope-llama3-text-field", "llama",
+     {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": "abc", "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}, None, 0,
+     r"low_freq_factor must be a positive number, got 'abc'"),
+    ("rope-scaling-a-string", "llama", {"config_extra": {"rope_scaling": "linear"}}, None, 0,
+     r"rope_scaling must be a JSON object or null, got 'linear'"),
+    ("rope-parameters-a-list", "llama", {"config_extra": {"rope_parameters": [1, 2]}}, None, 0,
+     r"rope_parameters must be a JSON object or null"),
+    ("partial-rotary-in-rope-parameters", "llama",
+     {"config_extra": {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}}}, None, 0,
+     r"partial_rotary_factor 0\.5"),
+    ("model-type-a-list", "bert", {}, ("config", {"model_type": ["bert"]}), 0, r"unknown model family"),
+    ("fp8-weights", "llama", {}, ("retype", "model.safetensors", K_PROJ0, torch.float8_e4m3fn), 0,
+     r"k_proj\.weight' .* has dtype torch\.float8_e4m3fn; .*quantized checkpoint is not served"),
+    ("index-names-no-file", "llama", {"shards": 2}, ("index", K_PROJ0, 5), 0,
+     r"names 5 as the file of 'model\.layers\.0\.self_attn\.k_proj\.weight'"),
 ]
 
 
@@ -416,6 +449,9 @@ def test_load_errors(tmp_path, family, kwargs, edit, index, message):
 
 def test_settings_errors(tmp_path):
     write_bert(tmp_path / "ckpt")
+    # an OIP model of that name is the attention's: the layer could not be reached (tritonclient got 400s)
+    with pytest.raises(LayerConfigError, match="the name 'attention' is the Open Inference Protocol's"):
+        load_layers(Settings(layer=[f"attention={tmp_path}/ckpt:0"]))
     with pytest.raises(LayerConfigError, match="layer dtype 'float64' is not supported"):
         load_layers(Settings(layer=[f"a={tmp_path}/ckpt:0"], layer_dtype="float64"))
     with pytest.raises(LayerConfigError, match="'a' is given twice"):
@@ -545,6 +581,10 @@ LLAMA_HF_CASES = [
     ("llama3-rope", "LlamaForCausalLM", dict(num_heads=4, num_kv_heads=1, head_dim=32, rope_theta=5e5,
                                              rope_scaling=LLAMA3_SCALING)),
     ("linear-rope", "LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # both keys: transformers takes the scaling from rope_scaling (the layer once took rope_parameters')
+    ("rope-scaling-and-parameters", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        config_extra={"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})),
 ]
 
 
