@@ -107,6 +107,8 @@ def choose(spec: AttnSpec, kernel: str = "auto") -> Choice:
 
     The choice depends only on the device type, the dtype and TRITON_INTERPRET, so it is made once
     per combination, and whether score modifiers are on (it runs on every call)."""
+    if not isinstance(kernel, str):  # the choice is cached by its arguments: a list would not hash
+        raise KernelUnavailableError(f"kernel must be a name, one of {', '.join(KERNELS)}; got {kernel!r}")
     return _choose(spec.device.type, spec.dtype, kernel, triton_interpret(), spec.masks.active)
 
 

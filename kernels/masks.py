@@ -25,6 +25,7 @@ import torch
 from .errors import AttentionInputError, DeviceMismatchError, DTypeError
 
 UNBOUNDED = -1
+WINDOW_FAR = 1 << 30  # a window side this long or longer is unbounded (docs/api.md)
 LOG2E = 1.4426950408889634
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 # the kernels scale scores into log2 units: a score past this (~2.36e38) is ±inf in them
@@ -82,7 +83,7 @@ class Masks:
     def kernel_args(self) -> tuple[int, int, float]:
         """(window left, window right, softcap · log2 e) as the Triton kernels take them: an
         unbounded side becomes a bound no key reaches, the cap is in the kernels' log2 units."""
-        far = 1 << 30
+        far = WINDOW_FAR
         return (far if self.left < 0 else self.left, far if self.right < 0 else self.right,
                 self.softcap * LOG2E)
 
@@ -118,11 +119,14 @@ def check_masks(window_size: object, softcap: object, alibi_slopes: object, *, r
     if isinstance(window_size, list):
         window_size = tuple(window_size)
     if (not isinstance(window_size, tuple) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
         raise MaskError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = (int(w) for w in window_size)  # numpy's integers too
     if left < -1 or right < -1:
         raise MaskError(f"window_size sides must be >= -1 (-1: unbounded), got ({left}, {right})")
+    # a side of 2**30 or more reaches past any sequence: unbounded, on every entry point (the ragged
+    # kernels once took 2**63 - 1 into their int arithmetic and saw no key)
+    left, right = (UNBOUNDED if w >= WINDOW_FAR else w for w in (left, right))
     if causal:
         right = UNBOUNDED
     cap = real(softcap)

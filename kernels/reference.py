@@ -288,8 +288,9 @@ def _nonfinite_again(out: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k:
     meet a NaN with o = 0, lse = 0 over a few keys (the contract says NaN), and a row whose only
     score overflowed to -inf with lse = 0 (the contract: no key seen, -inf)."""
     n = k.shape[2] if kv_lengths is None else int(kv_lengths[0])
-    q_max, k_max = float(q.abs().amax()) if q.numel() else 0.0, float(k[:, :, :n].abs().amax()) if n else 0.0
-    if math.isfinite(q_max) and math.isfinite(k_max) and bool(torch.isfinite(v[:, :, :n]).all()) \
+    qd, kd = q.detach(), k.detach()  # a bound only (no gradient, no warning about one)
+    q_max, k_max = float(qd.abs().amax()) if q.numel() else 0.0, float(kd[:, :, :n].abs().amax()) if n else 0.0
+    if math.isfinite(q_max) and math.isfinite(k_max) and bool(torch.isfinite(v.detach()[:, :, :n]).all()) \
             and q_max * k_max * q.shape[-1] * abs(scale) < 1e38:
         return out
     return blockwise_attention(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths)

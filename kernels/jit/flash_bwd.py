@@ -41,7 +41,7 @@ def bwd_preprocess(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets (b · stride_b may pass 2**31)
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -128,7 +128,7 @@ def bwd_dkdv(
     HAS_ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets (b · stride_b may pass 2**31)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
     n0 = pid_n * BLOCK_N
@@ -263,7 +263,7 @@ def bwd_dq(
     HAS_ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets (b · stride_b may pass 2**31)
     b = pid_bh // H_Q
     h = pid_bh % H_Q
     kvh = h // GROUP

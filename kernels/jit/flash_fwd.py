@@ -103,7 +103,8 @@ def attn_fwd(
         pid_s = tl.program_id(2)             # split of the key range
     if IS_CAUSAL:
         pid_m = n_pid_m - 1 - pid_m          # the longest rows first: better tail balance
-    pid_bh = tl.program_id(1)                # batch × (Hq / PACK)
+    # 64-bit from here: b · stride_qb passes 2**31 in a tensor of more elements (int32 strides wrap)
+    pid_bh = tl.program_id(1).to(tl.int64)   # batch × (Hq / PACK)
     heads_per_prog = H_Q // PACK
     b = pid_bh // heads_per_prog
     hp = pid_bh % heads_per_prog
@@ -175,10 +176,10 @@ def attn_fwd(
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    o_ptrs = O + pid_s * stride_os + b * stride_ob + head[:, None] * stride_oh \
+    o_ptrs = O + pid_s.to(tl.int64) * stride_os + b * stride_ob + head[:, None] * stride_oh \
         + i_rows[:, None] * stride_on + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
-    l_ptrs = LSE + pid_s * stride_ls + b * stride_lb + head * stride_lh + i_rows * stride_ln
+    l_ptrs = LSE + pid_s.to(tl.int64) * stride_ls + b * stride_lb + head * stride_lh + i_rows * stride_ln
     tl.store(l_ptrs, lse, mask=row_ok)
 
 

@@ -47,7 +47,7 @@ def flash_v1_fwd(
     BLOCK_N: tl.constexpr,       # B_c: keys per outer step
     IS_CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: b · stride_qb passes 2**31 in big tensors
     pid_s = tl.program_id(1)
     b = pid_bh // H_Q
     h = pid_bh % H_Q

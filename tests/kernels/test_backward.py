@@ -78,6 +78,18 @@ def test_public_attention_gradients():
         assert all(torch.isfinite(x.grad).all() for x in (q1, k1, v1))
 
 
+@pytest.mark.parametrize("kernel", ["flash", "flash_v1"])
+def test_a_double_backward_through_the_triton_kernels_raises(kernel):
+    """Their backward is not itself differentiable: a gradient penalty (create_graph=True) raises
+    instead of silently leaving out the second-order term (it came back as 0)."""
+    q, k, v, causal, scale, kvl = make(CASES["causal_nq_lt_nk"], torch.float32)
+    q1 = q.clone().requires_grad_()
+    o = kernels.attention(q1, k, v, causal=causal, kernel=kernel)
+    (g,) = torch.autograd.grad(o.square().sum(), q1, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.square().sum().backward()
+
+
 def test_backward_is_deterministic():
     q, k, v, causal, scale, kvl = make(CASES["mqa_causal"], torch.float32)
     do = torch.randn_like(q)

@@ -153,3 +153,22 @@ def test_cpu_path_matches_reference(case, dtype):
     dead = torch.isinf(rl)
     assert torch.equal(torch.isneginf(lse), dead) and (o[dead] == 0).all()
     assert (lse[~dead].double() - rl[~dead]).abs().max() <= tol
+
+
+def test_a_kernel_that_is_not_a_name_and_the_cpu_paths_gradient_warning(monkeypatch):
+    """``kernel=["flash"]`` is refused as a kernel (it was a TypeError from the choice's cache); the
+    CPU path's bound check on inputs that require grad warns nothing (torch warned of a tensor
+    with requires_grad made a scalar, every call) and keeps the gradient."""
+    import warnings
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 4, 8, generator=g).requires_grad_()
+    k, v = torch.randn(1, 1, 4, 8, generator=g), torch.randn(1, 1, 4, 8, generator=g)
+    with pytest.raises(KernelUnavailableError, match="kernel must be a name"):
+        kernels.attention(q, k, v, kernel=["flash"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = kernels.attention(q, k, v)
+    o.sum().backward()
+    assert q.grad is not None and bool(q.grad.abs().sum() > 0)

@@ -457,3 +457,26 @@ def test_gpu_backward_16bit(dtype, monkeypatch):
         err = (g.cpu().double() - w).abs().max().item()
         budget = 2 * (p.double() - w).abs().max().item() + 4 * torch.finfo(dtype).eps * w.abs().max().item()
         assert err <= budget, f"gradient error {err:.3g} over budget {budget:.3g}"
+
+
+@pytest.mark.parametrize("kernel", ["flash", "reference"])
+def test_window_sides_past_2_30_are_unbounded_on_the_ragged_entry_points(kernel):
+    """A side of 2**30 or more is unbounded (docs/api.md) in attention_varlen and attention_paged
+    too: bit for bit the -1 call (2**63 - 1 once reached their integer arithmetic and left every row
+    with no key; 2**64 raised OverflowError). numpy integers are sides too."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 1, 8, generator=g), torch.randn(6, 1, 8, generator=g), torch.randn(6, 1, 8, generator=g)
+    cq, ck = cu_of([4], "cpu"), cu_of([6], "cpu")
+    kp, vp = torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8)
+    kp.view(-1, 1, 8)[:6], vp.view(-1, 1, 8)[:6] = k, v
+    table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+    for window, same in [((2**63 - 1, 2**63 - 1), (-1, -1)), ((0, 2**63 - 1), (0, -1)), ((2**64, 0), (-1, 0)),
+                         ((np.int64(2), np.int64(1)), (2, 1))]:
+        want = attention_varlen(q, k, v, cq, ck, window_size=same, kernel=kernel, return_lse=True)
+        got = attention_varlen(q, k, v, cq, ck, window_size=window, kernel=kernel, return_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), window
+        want = attention_paged(q, kp, vp, table, lens, cq, causal=False, window_size=same, kernel=kernel)
+        got = attention_paged(q, kp, vp, table, lens, cq, causal=False, window_size=window, kernel=kernel)
+        assert torch.equal(got, want), window

@@ -123,6 +123,43 @@ def test_strided_bnhd_inputs(kernel):
     check_against_reference(o, lse, q, k, v, True, 0.3, None)
 
 
+BIG_OFFSETS = """
+import sys, torch
+from kernels import attention
+kern = sys.argv[1]
+buf = torch.empty(2**31 + 2**16, dtype=torch.float16)  # address space only: the view touches a few pages
+g = torch.Generator().manual_seed(0)
+q = buf.as_strided((3, 2, 8, 16), (2**30, 128, 16, 1))  # batch 2 starts at element 2**31
+q.copy_(torch.randn(3, 2, 8, 16, generator=g).half())
+k, v = (torch.randn(3, 2, 8, 16, generator=g).half() for _ in range(2))
+q.requires_grad_()
+qc = q.detach().contiguous().requires_grad_()
+o, oc = attention(q, k, v, kernel=kern, causal=True), attention(qc, k, v, kernel=kern, causal=True)
+assert torch.equal(o, oc), (o - oc).abs().max()
+if kern == "flash":
+    do = torch.randn(o.shape, generator=g).half()
+    assert torch.equal(torch.autograd.grad(o, q, do)[0], torch.autograd.grad(oc, qc, do)[0])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash_v1"])
+def test_element_offsets_past_2_31(kernel):
+    """A batch element that starts past element 2**31 (int32 strides times int32 program indices
+    wrapped: a segfault in the interpreter, a wrong address on a GPU): the answer and the gradient of
+    a strided view equal those of its contiguous copy. In a subprocess, as a crash would end it."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", BIG_OFFSETS, kernel], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-2000:])
+
+
 # ---- the TMA kernel (attn_fwd_tma): non-causal 16-bit prefill at D 64/128; its sequence-length
 # threshold is lifted (tma=True) so the interpreter can run it on small shapes
 
