@@ -128,7 +128,8 @@ def attention_paged(
     host_index: (cu_seqlens_q, cache_lens, block_table) as CPU tensors holding the same values as
     the ones on q's device, for a caller that keeps them on the host anyway (a KV cache's table):
     the call then checks and plans from these and reads nothing back from the device (no device
-    sync; the plan, a function of each sequence's own lengths, is the same).
+    sync; the plan, a function of each sequence's own lengths, is the same). With q on the CPU,
+    host_index must equal the tensors (compared: a copy that differs is refused).
     kernel: "auto", "flash", "reference". No gradients.
     window_size, softcap, alibi_slopes: as ``kernels.attention``'s (docs/kernels.md#score-modifiers),
     row i of sequence s at position i + cache_lens[s] - n_s; alibi_slopes float32 (Hq,) or (S, Hq).
@@ -157,6 +158,12 @@ def attention_paged(
     if neg is not None:
         raise SeqLensError(f"cache_lens[{neg}] = {lens[neg]}: a sequence's key count must be >= 0")
     _check_coverage(lens, checked, page, k_pages.shape[0], "", bad, any_bad)
+    if host_index is not None and q.device.type == "cpu":  # what the kernels read is on the host too: compare
+        for given, own, name in zip(host_index, (cu_q, cl, bt), ("cu_seqlens_q", "cache_lens", "block_table"),
+                                    strict=True):
+            if not torch.equal(given, own):
+                error = BlockTableError if name == "block_table" else SeqLensError
+                raise error(f"host_index's {name} does not hold the values of {name} (it must be their host copy)")
     with torch.no_grad():
         if impl == "flash":
             with on_device(q.device):

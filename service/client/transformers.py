@@ -216,8 +216,9 @@ class SessionCache(Cache):
             except Exception as error:
                 exc.add_note(f"SessionCache.close() also failed: {error!r}")
             raise
-        # a cache dropped without close() (used as a DynamicCache is) deletes what it holds when collected
-        weakref.finalize(self, _delete_left, self.sessions)
+        # a cache dropped without close() (used as a DynamicCache is) deletes what it holds when collected;
+        # not at interpreter exit, where a server that stopped answering would hold the exit a timeout
+        weakref.finalize(self, _delete_left, self.sessions).atexit = False
 
     @property
     def batch_size(self) -> int:

@@ -460,3 +460,18 @@ def test_warmup_ragged_runs_every_kernel_it_names(page):
     from kernels import warmup_ragged
 
     assert warmup_ragged([(2, 16), (2, 16)], (torch.float32,), page_tokens=page, device=DEV) >= 0.0
+
+
+@pytest.mark.parametrize("kernel", ["flash", "reference"])
+def test_on_the_cpu_host_index_cannot_hide_a_bad_table(kernel):
+    """With q on the CPU the tensors are on the host too: a host_index that disagrees with a table
+    naming no page (9 of 6) is refused (flash read past the pool, reference raised IndexError)."""
+    g = torch.Generator().manual_seed(0)
+    kp, vp, q = torch.randn(6, 4, 1, 8, generator=g), torch.randn(6, 4, 1, 8, generator=g), torch.randn(2, 1, 8)
+
+    def ints(*x):
+        return torch.tensor(x, dtype=torch.int32)
+
+    host = (ints(0, 2), ints(8), ints([0, 1]))  # the caller's copy, disagreeing
+    with pytest.raises(BlockTableError, match="host_index's block_table does not hold the values"):
+        attention_paged(q, kp, vp, ints([0, 9]), ints(8), ints(0, 2), kernel=kernel, host_index=host)
