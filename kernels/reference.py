@@ -53,7 +53,10 @@ def reference_attention(
 def _as_kernels_see(s: torch.Tensor) -> torch.Tensor:
     """Scaled scores as the Triton kernels see them: they work in log2 units, where a score past
     ±BASE2_LIMIT (~2.36e38, finite in float32) is ±inf, so here too (docs/api.md: the infinity rules)."""
-    if s.numel() == 0 or not bool(s.abs().amax() > BASE2_LIMIT):
+    if s.numel() == 0:
+        return s
+    low, high = torch.aminmax(s)  # one pass, no |s| copy (a NaN fails both tests: left as it is)
+    if not bool((high > BASE2_LIMIT) | (low < -BASE2_LIMIT)):
         return s
     return s.masked_fill(s > BASE2_LIMIT, math.inf).masked_fill(s < -BASE2_LIMIT, -math.inf)
 

@@ -9,6 +9,8 @@ TRITON_INTERPRET=1 (fp32 and fp16); the ``gpu`` test repeats every kernel on CUD
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from ragged_cases import DEV, cu_of, paginate, randn
@@ -131,19 +133,22 @@ def test_keys_of_minus_inf_in_varlen_paged_and_split_decode(kernel, first):
     check(o, lse, q, k, v, False, 24 ** -0.5)
 
 
+def one_row(q: float, keys: list[float], values: list[float], kernel: str, **options) -> tuple[float, float]:
+    """(o, lse) of one query row of D 1 over keys whose scores are q · k (scale 1)."""
+    k, v = (torch.tensor(x, device=DEV).reshape(1, 1, -1, 1) for x in (keys, values))
+    o, lse = attention(torch.full((1, 1, 1, 1), q, device=DEV), k, v, scale=1.0, return_lse=True, kernel=kernel,
+                       **options)
+    return o.item(), lse.item()
+
+
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 def test_a_score_that_overflows_to_minus_inf_is_a_key_not_seen(kernel):
     """Finite inputs whose product leaves float32 (1e20 · -1e20): that key is not seen. Alone it
     leaves the row keyless (o = 0, lse = -inf; the CPU path once answered lse = 0); beside a finite
     key, the row is that key's."""
-    q = torch.full((1, 1, 1, 1), 1e20, device=DEV)
-    v = torch.tensor([5.0, 7.0], device=DEV).reshape(1, 1, 2, 1)
-    o, lse = attention(q, torch.full((1, 1, 1, 1), -1e20, device=DEV), v[:, :, :1], scale=1.0, return_lse=True,
-                       kernel=kernel)
-    assert o.item() == 0.0 and lse.item() == -INF
-    o, lse = attention(q, torch.tensor([-1e20, 1.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
-                       return_lse=True, kernel=kernel)
-    assert o.item() == 7.0 and lse.item() == pytest.approx(1e20, rel=1e-6)
+    assert one_row(1e20, [-1e20], [5.0], kernel) == (0.0, -INF)
+    o, lse = one_row(1e20, [-1e20, 1.0], [5.0, 7.0], kernel)
+    assert o == 7.0 and lse == pytest.approx(1e20, rel=1e-6)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
@@ -151,23 +156,16 @@ def test_a_score_past_the_kernels_log2_range_is_infinite(kernel):
     """A score finite in float32 but past FLT_MAX / log2(e) (~2.36e38) is ±inf in the kernels'
     log2 units, so on every kernel: +3e38 makes the row NaN, -3e38 is a key not seen (the
     reference once answered o = 1 and lse = 3e38 where the Triton kernels answered NaN)."""
-    q = torch.ones(1, 1, 1, 1, device=DEV)
-    v = torch.tensor([1.0, 2.0], device=DEV).reshape(1, 1, 2, 1)
-    o, lse = attention(q, torch.tensor([3e38, 0.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
-                       return_lse=True, kernel=kernel)
-    assert o.isnan().all() and lse.isnan().all()
-    o, lse = attention(q, torch.full((1, 1, 1, 1), -3e38, device=DEV), v[:, :, :1], scale=1.0, return_lse=True,
-                       kernel=kernel)
-    assert o.item() == 0.0 and lse.item() == -INF
-    o, lse = attention(q, torch.tensor([-3e38, 0.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
-                       return_lse=True, kernel=kernel)
-    assert o.item() == 2.0 and lse.item() == pytest.approx(0.0, abs=1e-6)
-    # under a cap the overflowing score is the cap (tanh(inf) = 1): a key the row sees
-    o, lse = attention(q, torch.tensor([3e38, 0.0], device=DEV).reshape(1, 1, 2, 1), v, scale=1.0,
-                       return_lse=True, kernel=kernel, softcap=2.0) if kernel != "flash_v1" else (None, None)
-    if o is not None:
+    o, lse = one_row(1.0, [3e38, 0.0], [1.0, 2.0], kernel)
+    assert math.isnan(o) and math.isnan(lse)
+    assert one_row(1.0, [-3e38], [1.0], kernel) == (0.0, -INF)
+    o, lse = one_row(1.0, [-3e38, 0.0], [1.0, 2.0], kernel)
+    assert o == 2.0 and lse == pytest.approx(0.0, abs=1e-6)
+    if kernel != "flash_v1":  # (it takes no score modifiers)
+        # under a cap the overflowing score is the cap (tanh(inf) = 1): a key the row sees
+        o, _ = one_row(1.0, [3e38, 0.0], [1.0, 2.0], kernel, softcap=2.0)
         w = torch.softmax(torch.tensor([2.0, 0.0], dtype=torch.float64), 0)
-        assert o.item() == pytest.approx(float(w[0] + 2 * w[1]), rel=1e-5)
+        assert o == pytest.approx(float(w[0] + 2 * w[1]), rel=1e-5)
 
 
 @pytest.mark.parametrize("cap", [1e-300, 1e-40])
