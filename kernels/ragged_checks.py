@@ -3,6 +3,7 @@ errors they raise, and the one device-to-host copy that reads a call's lengths."
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .errors import (
@@ -77,6 +78,20 @@ def host_ints(*tensors: torch.Tensor) -> list[list[int]]:
         out.append(values[at:at + t.numel()])
         at += t.numel()
     return out
+
+
+def check_max_seqlen(name: str, bound: object, lens: list[int]) -> None:
+    """flash-attn's ``max_seqlen_*``: None, or an int at least the longest of ``lens``."""
+    if bound is None:
+        return
+    if isinstance(bound, torch.Tensor) and bound.numel() == 1 and not bound.is_floating_point():
+        bound = int(bound.item())  # (flash-attn code sometimes passes a 0-d tensor)
+    if isinstance(bound, bool) or not isinstance(bound, (int, np.integer)):
+        raise SeqLensError(f"{name} must be an int (the longest sequence's length), got {type(bound).__name__}")
+    longest = max(lens, default=0)
+    if bound < longest:
+        raise SeqLensError(f"{name} is {int(bound)}, but a sequence has {longest} rows; pass at least the longest "
+                           "length, or leave it out (the lengths come from the cu_seqlens)")
 
 
 def check_cu(name: str, cu: list[int], total: int, rows_name: str) -> list[int]:

@@ -17,6 +17,7 @@ from .ragged_checks import (
     check_cu,
     check_heads,
     check_index,
+    check_max_seqlen,
     check_tensor3,
     host_ints,
 )
@@ -36,6 +37,9 @@ def attention_varlen(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of each of S packed sequences alone.
 
@@ -51,6 +55,9 @@ def attention_varlen(
     per sequence). No gradients.
     window_size, softcap, alibi_slopes: as ``kernels.attention``'s (docs/kernels.md#score-modifiers),
     with each sequence's own n_q and n_k aligning its rows; alibi_slopes float32 (Hq,) or (S, Hq).
+    max_seqlen_q, max_seqlen_k: flash-attn's bounds on the longest sequence, for code written for
+    ``flash_attn_varlen_func``; the plan reads the lengths themselves, so a bound is only checked
+    (one under the longest sequence is a SeqLensError: flash-attn would skip rows past it).
     """
     q, k, v = check_tensor3("q", q), check_tensor3("k", k), check_tensor3("v", v)
     _, _, d = check_heads(q, k, v)
@@ -66,6 +73,8 @@ def attention_varlen(
     cq, ck = host_ints(cu_q, cu_k)
     q_lens = check_cu("cu_seqlens_q", cq, q.shape[0], "query rows")
     k_lens = check_cu("cu_seqlens_k", ck, k.shape[0], "key rows")
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, q_lens)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, k_lens)
     with torch.no_grad():
         if impl == "flash":
             with on_device(q.device):

@@ -126,18 +126,18 @@ def test_strided_bnhd_inputs(kernel):
 BIG_OFFSETS = """
 import sys, torch
 from kernels import attention
-kern = sys.argv[1]
-buf = torch.empty(2**31 + 2**16, dtype=torch.float16)  # address space only: the view touches a few pages
+kern, dev = sys.argv[1], sys.argv[2]
+buf = torch.empty(2**31 + 2**16, dtype=torch.float16, device=dev)  # on the CPU, address space only
 g = torch.Generator().manual_seed(0)
 q = buf.as_strided((3, 2, 8, 16), (2**30, 128, 16, 1))  # batch 2 starts at element 2**31
 q.copy_(torch.randn(3, 2, 8, 16, generator=g).half())
-k, v = (torch.randn(3, 2, 8, 16, generator=g).half() for _ in range(2))
+k, v = (torch.randn(3, 2, 8, 16, generator=g).half().to(dev) for _ in range(2))
 q.requires_grad_()
 qc = q.detach().contiguous().requires_grad_()
 o, oc = attention(q, k, v, kernel=kern, causal=True), attention(qc, k, v, kernel=kern, causal=True)
 assert torch.equal(o, oc), (o - oc).abs().max()
 if kern == "flash":
-    do = torch.randn(o.shape, generator=g).half()
+    do = torch.randn(o.shape, generator=g).half().to(dev)
     assert torch.equal(torch.autograd.grad(o, q, do)[0], torch.autograd.grad(oc, qc, do)[0])
 print("ok")
 """
@@ -155,8 +155,25 @@ def test_element_offsets_past_2_31(kernel):
     from conftest import ROOT
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", BIG_OFFSETS, kernel], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=300)
+    out = subprocess.run([sys.executable, "-c", BIG_OFFSETS, kernel, "cpu"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-2000:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["flash", "flash_v1"])
+def test_gpu_element_offsets_past_2_31(kernel):
+    """The same on the GPU, compiled (4 GiB of device memory): a wrapped offset reads another
+    address there, so the strided answer and gradient differ from the contiguous copy's."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", BIG_OFFSETS, kernel, "cuda"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-2000:])
 
 

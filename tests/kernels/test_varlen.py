@@ -135,6 +135,8 @@ BAD = {  # name: (change, error, message fragment)
                      "end at"),
     "cu_counts": (dict(cu_seqlens_k=lambda a: idx([0, 9])), SeqLensError, r"S \+ 1"),
     "scale_nan": (dict(), OptionError, "finite"),
+    "max_seqlen_q_short": (dict(max_seqlen_q=lambda a: 2), SeqLensError, "max_seqlen_q is 2, but a sequence has 3"),
+    "max_seqlen_k_float": (dict(max_seqlen_k=lambda a: 5.0), SeqLensError, "must be an int"),
 }
 
 
@@ -145,6 +147,16 @@ def test_varlen_bad_inputs(name):
     extra = dict(scale=float("nan")) if name == "scale_nan" else {}
     with pytest.raises(error, match=fragment):
         attention_varlen(**args, **extra)
+
+
+def test_varlen_flash_attn_keywords():
+    """Code written for flash_attn_varlen_func passes max_seqlen_q/k by keyword (ints or 0-d tensors):
+    the same answer as without them."""
+    q, k, v, cu_q, cu_k = packed([2, 3], [4, 5], 4, 2, 16, torch.float32)
+    plain = attention_varlen(q, k, v, cu_q, cu_k, causal=True, kernel="reference")
+    bounded = attention_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3,
+                               max_seqlen_k=torch.tensor(7, dtype=torch.int32), causal=True, kernel="reference")
+    assert torch.equal(plain, bounded)
 
 
 def test_varlen_kernel_choice(monkeypatch):
