@@ -5,7 +5,8 @@ Families and the tensor names they read (a ``bert.``/``roberta.``/``model.``/``<
 is optional):
     bert   encoder.layer.{i}.attention.self.{query,key,value}.{weight,bias}
            encoder.layer.{i}.attention.output.dense.{weight,bias}
-    llama  layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias where present, as in Qwen2)
+    llama  layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias where transformers' module has one:
+           Qwen2's q/k/v, Llama's four with attention_bias, Mistral's none)
 """
 
 from __future__ import annotations
@@ -136,9 +137,24 @@ def load_llama(name, config, model_type, index, store, where):
         "v": (stem + "v_proj.weight", (kv_out, hidden)), "v_bias": (stem + "v_proj.bias", (kv_out,)),
         "o": (stem + "o_proj.weight", (hidden, q_out)), "o_bias": (stem + "o_proj.bias", (hidden,)),
     }
-    weights = Weights(**store.read(names, optional=("q_bias", "k_bias", "v_bias", "o_bias")))
+    biased = _llama_biases(config, model_type, where)
+    names = {field: entry for field, entry in names.items() if not field.endswith("_bias") or field in biased}
+    weights = Weights(**store.read(names, optional=biased))
     info = LayerInfo(name, "llama", hidden, heads, kv_heads, head_dim, weights.q.dtype)
     return info, weights, rope
+
+
+def _llama_biases(config: dict[str, Any], model_type: str, where: str) -> tuple[str, ...]:
+    """The projections whose bias transformers' module of ``model_type`` has: a checkpoint's bias
+    tensors elsewhere are left unread, as transformers leaves them (a bias it would not add)."""
+    if model_type == "qwen2":
+        return ("q_bias", "k_bias", "v_bias")
+    if model_type in ("mistral", "mixtral"):
+        return ()
+    flag = config.get("attention_bias", False)
+    if not isinstance(flag, bool):
+        raise LayerConfigError(f"{where}: attention_bias must be true or false, got {flag!r}")
+    return ("q_bias", "k_bias", "v_bias", "o_bias") if flag else ()
 
 
 def sliding_window(config: dict[str, Any], model_type: str, index: int, where: str = "config.json") -> int | None:

@@ -383,6 +383,8 @@ BROKEN = [
      r"k_proj\.weight' in .* has shape \[16, 64\], but config\.json implies \[32, 64\]"),
     ("heads-not-divisible", "bert", {}, ("config", {"num_attention_heads": 3}), 0,
      r"hidden_size=40 is not divisible by num_attention_heads=3"),
+    ("attention-bias-string", "llama", {}, ("config", {"attention_bias": "no"}), 0,
+     r"attention_bias must be true or false, got 'no'"),
     ("kv-heads-not-divisor", "llama", {}, ("config", {"num_key_value_heads": 3}), 0,
      r"not a multiple of num_key_value_heads=3"),
     ("pickle-only", "bert", {}, ("rename", "model.safetensors", "pytorch_model.bin"), 0,
@@ -581,6 +583,10 @@ LLAMA_HF_CASES = [
     ("llama3-rope", "LlamaForCausalLM", dict(num_heads=4, num_kv_heads=1, head_dim=32, rope_theta=5e5,
                                              rope_scaling=LLAMA3_SCALING)),
     ("linear-rope", "LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # bias tensors transformers' module has no bias for: left unread, as transformers leaves them
+    ("llama-stray-bias", "LlamaForCausalLM", dict(bias=True, config_extra={"attention_bias": False})),
+    ("mistral-stray-bias", "MistralForCausalLM", dict(bias=True, config_extra={
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "attention_bias": True})),
     # both keys: transformers takes the scaling from rope_scaling (the layer once took rope_parameters')
     ("rope-scaling-and-parameters", "LlamaForCausalLM", dict(
         rope_scaling={"rope_type": "linear", "factor": 4.0},
