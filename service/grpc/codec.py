@@ -205,10 +205,22 @@ def result_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+DEADLINE_MARGIN_S = 0.002  # a call's server-side deadline comes this much before the client's
+
+
 def deadline_of(context) -> float | None:
-    """The call's gRPC deadline as a ``time.monotonic()`` instant (None: the engine's default applies)."""
-    remaining = context.time_remaining()
+    """The call's gRPC deadline as a ``time.monotonic()`` instant (None: the engine's default applies),
+    ``DEADLINE_MARGIN_S`` early: the client's own timer ends the call at its deadline, so a step
+    the server finished just inside a later clock (the request's transit, a forwarding hop) would
+    read DEADLINE_EXCEEDED to the client while its keys were kept."""
+    remaining = remaining_s(context)
     return None if remaining is None else time.monotonic() + remaining
+
+
+def remaining_s(context) -> float | None:
+    """The seconds left to the call, less ``DEADLINE_MARGIN_S`` (None: no deadline)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
 
 
 # ---- concurrent calls on one stream -----------------------------------------------------------

@@ -10,6 +10,7 @@ import contextlib
 from typing import Any
 
 from service.errors import ServiceError
+from service.grpc.codec import remaining_s
 from service.sessions.routing import FORWARDED, Peers, peers_of, single_owner
 
 
@@ -73,7 +74,7 @@ async def forward_grpc(settings: Any, target: int, method: str, request: Any, co
     metadata = [(k, v) for k, v in (context.invocation_metadata() or ()) if k != FORWARDED and not k.startswith(":")]
     metadata.append((FORWARDED, str(p.index)))
     try:
-        return await call(request, metadata=metadata, timeout=context.time_remaining())
+        return await call(request, metadata=metadata, timeout=remaining_s(context))  # the hop's margin
     except grpc.aio.AioRpcError as exc:
         raise owner_error(exc) from None
 
