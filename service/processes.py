@@ -147,6 +147,9 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
                    "--processes", "1", "--device", share, "--http-fd", str(listener.fileno()),
                    "--peers", f"{i}/{len(shares)}@{peers_dir}"]
             children.append(subprocess.Popen(cmd, env=env, pass_fds=(listener.fileno(),)))
+            # only the child holds its socket now: once it exits, the kernel hashes no connection there
+            # (one kept open here stayed in the SO_REUSEPORT group, accepted by nobody: a drain hung them)
+            listener.close()
             log.info("process %d (pid %d) on %s", i, children[-1].pid, share)
         log.info("%d processes serving HTTP on %s:%d%s", len(children), settings.host, settings.http_port,
                  f" and gRPC on {settings.host}:{settings.grpc_port}" if settings.grpc_port else "")
