@@ -214,7 +214,8 @@ class Settings(BaseSettings):
         64, ge=0,
         description="a session step of at most this many query rows that comes alone (its worker idle, "
         "no other step queued, none accepted in the last 0.25 ms) runs at once on the event loop, which "
-        "waits for the device: no hand-offs to the worker's threads; steps in bursts batch as usual; 0: never",
+        "waits for the device: no hand-offs to the worker's threads; steps in bursts batch as usual; on the CPU "
+        "only short ones (2**23 multiply-adds); 0: never",
     )
     log_level: str = Field("info", description=f"logging level: {', '.join(LOG_LEVELS)}")
     access_log: bool = Field(

@@ -51,6 +51,10 @@ from service.sessions.step import SessionStep
 log = logging.getLogger("attnserve.sessions")
 
 STAGED_PER_WORKER = 2  # one launch running + one staged behind it, as the batcher
+# On the CPU an inline step computes on the event loop (on a GPU it waits for microseconds of device
+# work): past this many multiply-adds (~ms of a core) it goes to the launcher thread, so that one long
+# context's step does not hold every other call, health probe and deadline timer meanwhile.
+CPU_INLINE_MAX_MACS = 1 << 23
 
 
 @dataclass(eq=False)
@@ -374,6 +378,7 @@ class StepScheduler:
     def _may_run_now(self, work: Work, gap: float) -> bool:
         return (
             0 < work.tokens <= self.settings.session_inline_rows
+            and (self.cache.device.type == "cuda" or _cpu_macs(work) <= CPU_INLINE_MAX_MACS)
             and gap >= ALONE_GAP_S
             and not self.queue
             and self.inflight == 0
@@ -437,6 +442,14 @@ class StepScheduler:
                     w.future.set_result((part.o[at : at + n], part.lse[:, at : at + n], stamps))
                 at += n
         self._soon()
+
+
+def _cpu_macs(work: Work) -> int:
+    """Multiply-adds of ``work``'s attention, about: each row over its session's keys, Hq x D x 2."""
+    step = work.step
+    new = step.k is not None
+    keys = sum((s.rows[1] - s.rows[0]) * (s.kv.length + (s.rows[1] - s.rows[0] if new else 0)) for s in work.seqs)
+    return 2 * keys * step.heads_q * step.head_dim
 
 
 def _raise(exc: BaseException):

@@ -867,6 +867,43 @@ def test_a_lone_session_step_queues_when_the_launch_lock_is_held_elsewhere():
     asyncio.run(main())
 
 
+def test_a_long_cpu_step_does_not_run_on_the_event_loop(monkeypatch):
+    """On the CPU an inline step computes on the event loop: a one-row step over many keys (past
+    ``CPU_INLINE_MAX_MACS``, lowered here) goes to the launcher thread, so the loop keeps serving
+    meanwhile; a short one still runs inline. Both answers equal the float64 reference."""
+    from service.sessions import scheduler
+    from service.sessions.step import SessionStep
+
+    monkeypatch.setattr(scheduler, "CPU_INLINE_MAX_MACS", 2 * 8 * 64 * 100)
+
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        sessions = engine.sessions
+
+        def inline():
+            return engine.metrics.registry.get_sample_value("attnserve_session_inline_total", {"device": "cpu"})
+
+        hq, d = 8, 64
+        context = scheduler.CPU_INLINE_MAX_MACS // (2 * hq * d) + 1  # one row over these keys passes the bound
+        sid = sessions.create(num_kv_heads=2, head_dim=d, dtype="float32")["session"]
+        q, k, v = qkv(hq=hq, hkv=2, nq=context, nk=context, d=d, seed=7)
+        await sessions.step(SessionStep.single(sid, q[:, :, :-1], k[:, :, :-1], v[:, :, :-1]))  # queued: many rows
+        short = sessions.create(num_kv_heads=2, head_dim=d, dtype="float32")["session"]
+        for name, n, inlined in ((short, 1, 1), (sid, context, 0)):
+            before = inline()
+            await asyncio.sleep(0.001)  # alone
+            res = await sessions.step(SessionStep.single(name, q[:, :, n - 1 : n], k[:, :, n - 1 : n],
+                                                         v[:, :, n - 1 : n]))
+            assert inline() - before == inlined, name
+            ref = torch.softmax(q[:, :, n - 1 : n].double() @ k[:, :, :n].double().repeat_interleave(4, 1)
+                                .transpose(-1, -2) * d ** -0.5, -1) @ v[:, :, :n].double().repeat_interleave(4, 1)
+            torch.testing.assert_close(res.o.double(), ref, rtol=1e-5, atol=1e-5)
+        await engine.drain()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("options", [{}, {"softcap": 5.0, "window_size": (700, 700), "alibi": True},
                                      {"causal": True, "softcap": 5.0, "window_size": (64, 64), "alibi": True}],
                          ids=["plain", "modifiers", "causal-modifiers"])
