@@ -9,7 +9,7 @@ import argparse
 import difflib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -106,13 +106,14 @@ class Settings(BaseSettings):
         "on a connection the server is closing",
     )
     max_header_kb: float = Field(
-        64.0, gt=0,
+        64.0, ge=1,
         description="largest HTTP request head (request line and header fields), in KiB: 431 past it, and "
         "the connection is closed (httptools holds an unfinished header field in memory)",
     )
-    max_headers: int = Field(100, gt=0, description="most header fields in one HTTP request (431 past it)")
+    # lower bounds: a head smaller than a health probe's, or a client's usual headers, refuses every request
+    max_headers: int = Field(100, ge=16, description="most header fields in one HTTP request (431 past it)")
     max_url_kb: float = Field(
-        16.0, gt=0, lt=64, description="longest HTTP request URL, in KiB (414 past it; httptools parses "
+        16.0, ge=1, lt=64, description="longest HTTP request URL, in KiB (414 past it; httptools parses "
         "no URL of 64 KiB or more)",
     )
     header_timeout_s: float = Field(
@@ -236,8 +237,15 @@ class Settings(BaseSettings):
     @field_validator("api_key")
     @classmethod
     def _stripped_key(cls, value: str | None) -> str | None:
-        """A key read from a file or a secret often ends in a newline no client sends."""
-        return None if value is None else value.strip()
+        """A key read from a file or a secret often ends in a newline no client sends. A key of only
+        whitespace (an empty key file, an unset secret) is refused: taken as "no key" it would
+        serve without one and say nothing; "" says that on purpose."""
+        if value is None:
+            return None
+        if value and not value.strip():
+            raise ValueError("is only whitespace (an empty key file or secret?): give the key, or '' to serve "
+                             "without one")
+        return value.strip()
 
     @field_validator("memory_trim_idle_s")
     @classmethod
@@ -301,9 +309,17 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A usage error is one line and exit code 2 (argparse prints the whole usage block first:
+    dozens of lines above the one that says what is wrong)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one flag per ``Settings`` field; every default comes from Settings."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="python -m service",
         description="attnserve: exact attention served over HTTP (FastAPI) and gRPC. "
         "Every option also reads an ATTNSERVE_<NAME> environment variable (e.g. ATTNSERVE_HTTP_PORT).",

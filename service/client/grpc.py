@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -34,10 +35,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client.http import AttentionServiceError
 from service.client.sessions import SessionsMixin, checked_affinity, q_lengths_tensor, session_ids
-from service.errors import ServiceError
+from service.errors import BadRequest, ServiceError
 from service.grpc import codec as grpc_codec
 from service.grpc.protogen import attention_stubs
 from service.wire import SESSION_HEADER, tensors
+from service.wire.options import PARSERS, parse_bool
 
 _stubs = attention_stubs()
 pb, pb_grpc = _stubs.attention_pb2, _stubs.attention_pb2_grpc
@@ -85,9 +87,27 @@ def attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                    request_id: str = "", window_size: Sequence[int] | None = None, softcap: float | None = None,
                    alibi_slopes: torch.Tensor | None = None):
     """The AttendRequest message of one call (the keyword arguments of ``attention``)."""
-    msg = pb.AttendRequest(causal=causal, scale=scale, layout=layout, return_lse=return_lse, kernel=kernel,
-                           request_id=request_id, **_masks(window_size, softcap))
+    o = _options(causal=causal, scale=scale, return_lse=return_lse, window_size=window_size, softcap=softcap)
+    msg = pb.AttendRequest(causal=o["causal"], scale=o["scale"], layout=layout, return_lse=o["return_lse"],
+                           kernel=kernel, request_id=request_id, **_masks(o["window_size"], o["softcap"]))
     return grpc_codec.with_tensors(msg, q=q, k=k, v=v, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes)
+
+
+def _options(**raw: Any) -> dict[str, Any]:
+    """Option values as the server reads them (``service.wire.options``; None stays unset): one of
+    the wrong kind is refused here in the server's words (``_building``: INVALID_ARGUMENT), where
+    the message's field would refuse it in protobuf's, or take "false" as true."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        if value is None:
+            out[name] = None
+        elif name == "layer":
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise BadRequest(f"option 'layer' must be an integer >= 0, got {value!r}")
+            out[name] = int(value)
+        else:
+            out[name] = parse_bool(name, value) if name == "end" else PARSERS[name](name, value)
+    return out
 
 
 def _masks(window_size: Sequence[int] | None, softcap: float | None) -> dict:
@@ -113,7 +133,9 @@ class GrpcAttentionClient(SessionsMixin):
         the call's session id; service.client.sessions.SessionsMixin)."""
         self.timeout = timeout
         self.session_affinity = checked_affinity(session_affinity)
+        api_key = api_key.strip() if api_key else api_key  # (as the server reads a key file's)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._closed = False
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_send_message_length", UNLIMITED),
             ("grpc.max_receive_message_length", UNLIMITED),
@@ -123,7 +145,14 @@ class GrpcAttentionClient(SessionsMixin):
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GrpcAttentionServiceError(grpc.StatusCode.UNAVAILABLE, "unavailable",
+                                            "this client is closed (close(), or its with block ended); make a "
+                                            "new GrpcAttentionClient", None)
 
     def __enter__(self) -> GrpcAttentionClient:
         return self
@@ -132,6 +161,7 @@ class GrpcAttentionClient(SessionsMixin):
         self.close()
 
     def _call(self, rpc, request, affinity: str | None = None):
+        self._check_open()
         metadata = self._metadata if affinity is None else (*self._metadata, (SESSION_HEADER, affinity))
         try:
             return rpc(request, timeout=self.timeout, metadata=metadata)
@@ -170,10 +200,20 @@ class GrpcAttentionClient(SessionsMixin):
     def _stream(self, rpc, build, requests: Iterable[dict[str, Any]], timeout: float | None
                 ) -> Iterator[tuple[str, Result | GrpcAttentionServiceError]]:
         """``rpc`` (a stream-stream method) over ``build(**item)`` of each item, as ``attention_stream``."""
+        self._check_open()
         refused: collections.deque = collections.deque()  # (request_id, error) of items not sent
+        failed: list[BaseException] = []  # the caller's own iterator raised: raised here once the stream ends
 
         def messages():  # (grpc's thread)
-            for i, kwargs in enumerate(requests):
+            items = enumerate(requests)
+            while True:
+                try:
+                    i, kwargs = next(items)
+                except StopIteration:
+                    return
+                except Exception as exc:  # noqa: BLE001 - the caller's; the calls sent are still answered
+                    failed.append(exc)
+                    return
                 kwargs = {"request_id": str(i), **kwargs}
                 try:
                     with _building():
@@ -196,6 +236,8 @@ class GrpcAttentionClient(SessionsMixin):
             raise _error(exc) from None
         while refused:
             yield refused.popleft()
+        if failed:
+            raise failed[0]
 
     def layers(self) -> list[dict[str, Any]]:
         """The loaded layers: name, family, hidden_size, num_heads, num_kv_heads, head_dim, dtype."""
@@ -215,6 +257,8 @@ class GrpcAttentionClient(SessionsMixin):
 
     def ready(self) -> bool:
         """True when grpc.health.v1 says SERVING (the engine is warm and not draining)."""
+        if self._closed:
+            return False
         try:
             resp = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
         except grpc.RpcError:
@@ -269,10 +313,12 @@ def session_attend_request(sessions: Any, q: torch.Tensor, k: torch.Tensor | Non
                            window_size: Sequence[int] | None = None, softcap: float | None = None,
                            alibi_slopes: torch.Tensor | None = None):
     """The SessionAttendRequest message of one step (one session, 4-D q) or packed step (q_lengths)."""
+    o = _options(layer=layer, causal=causal, scale=scale, return_lse=return_lse, end=end, window_size=window_size,
+                 softcap=softcap)
     msg = pb.SessionAttendRequest(
-        sessions=session_ids(sessions), layer=layer,
-        causal=causal, scale=scale, return_lse=return_lse, end=end, request_id=request_id,
-        layout="" if q_lengths is not None else layout, **_masks(window_size, softcap),
+        sessions=session_ids(sessions), layer=o["layer"],
+        causal=o["causal"], scale=o["scale"], return_lse=o["return_lse"], end=o["end"], request_id=request_id,
+        layout="" if q_lengths is not None else layout, **_masks(o["window_size"], o["softcap"]),
     )
     return grpc_codec.with_tensors(msg, q=q, k=k, v=v, alibi_slopes=alibi_slopes,
                                    q_lengths=None if q_lengths is None else q_lengths_tensor(q_lengths))

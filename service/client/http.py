@@ -89,14 +89,20 @@ def _reaching(base: str) -> Iterator[None]:
                                     f"no answer from {base} within the client's timeout: {exc}") from exc
     except urllib3.exceptions.HTTPError as exc:
         raise AttentionServiceError(503, "unavailable", f"no answer from {base}: {exc}") from exc
+    except (ConnectionError, http.client.HTTPException) as exc:  # cut while the answer is read (a reset)
+        raise AttentionServiceError(503, "unavailable", f"the connection to {base} broke: {exc!r}") from exc
 
 
 def _affinity_header(affinity: str | None) -> dict[str, str]:
     return {} if affinity is None else {SESSION_HEADER: affinity}
 
 
-def _bool(value: bool) -> str:
-    return "true" if value else "false"
+def _bool(value: Any) -> str:
+    """A bool option's query value; anything but a bool goes as its text, for the server to read
+    as it reads every transport's ("false", 0, ...) or refuse in its words."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 
@@ -128,7 +134,10 @@ class AttentionClient(SessionsMixin):
     ):
         """``session_affinity``: the x-attnserve-session header of every session call (default:
         the call's session id; service.client.sessions.SessionsMixin)."""
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         self.session_affinity = checked_affinity(session_affinity)
+        api_key = api_key.strip() if api_key else api_key  # (as the server reads a key file's)
         headers = {"X-API-Key": api_key} if api_key else {}
         if request_timeout_ms is not None:
             headers["X-Request-Timeout-Ms"] = str(request_timeout_ms)

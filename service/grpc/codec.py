@@ -19,7 +19,7 @@ from service.core.types import AttentionRequest, AttentionResult, LayerRequest, 
 from service.errors import BadRequest, InvalidInput, PayloadTooLarge, size_text
 from service.grpc.protogen import attention_stubs
 from service.wire import tensors
-from service.wire.options import parse_options
+from service.wire.options import parse_options, parse_scale
 from service.wire.tensors import check_dims, kv_lengths_int32
 
 if TYPE_CHECKING:
@@ -99,6 +99,11 @@ def mask_options(msg) -> dict:
     return opts
 
 
+def scale_of(msg) -> float | None:
+    """A message's optional scale, checked as the HTTP routes check it (unset: 1/sqrt(D))."""
+    return parse_scale("scale", msg.scale) if msg.HasField("scale") else None
+
+
 def attention_request(msg, *, deadline: float | None, request_id: str | None = None) -> AttentionRequest:
     """attention.v1.AttendRequest -> AttentionRequest (q/k/v views in bhnd); layout and kernel are
     parsed as the HTTP routes parse them (``service.wire.options``)."""
@@ -107,7 +112,7 @@ def attention_request(msg, *, deadline: float | None, request_id: str | None = N
     check_dims({"q": q, "k": k, "v": v}, ("q", "k", "v"), 4, opts["layout"])
     ids = {"request_id": msg.request_id or request_id} if (msg.request_id or request_id) else {}
     return AttentionRequest.from_layout(
-        q, k, v, causal=msg.causal, scale=msg.scale if msg.HasField("scale") else None,
+        q, k, v, causal=msg.causal, scale=scale_of(msg),
         return_lse=msg.return_lse, kv_lengths=kv_lengths_int32(tensor_from_pb(msg, "kv_lengths", required=False)),
         deadline=deadline, **opts, **mask_options(msg), **ids,
     )

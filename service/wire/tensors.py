@@ -373,7 +373,9 @@ def tensor_parts(head: bytes, tensors: Iterable[torch.Tensor]) -> list[memoryvie
     safetensors file, or an OIP response with binary outputs, without copying the data)."""
     parts = [memoryview(head)]
     for t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        if t.numel():
-            parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        if flat.numel():
+            if flat.stride(0) != 1:  # one element: torch calls any stride contiguous (expand(1), x[::2])
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            parts.append(memoryview(flat.view(torch.uint8).numpy()))
     return parts

@@ -63,7 +63,11 @@ def test_values_no_server_can_use_are_refused(monkeypatch):
     for argv, match in ((["--max-body-mb", "inf"], "finite"), (["--kv-cache-mb", "nan"], "finite"),
                         (["--log-level", "verbose"], "logging level"),
                         (["--memory-trim-idle-s", "0.001"], "at least 0.1"),
-                        (["--http-port", "9000", "--grpc-port", "9000"], "different ports")):
+                        (["--http-port", "9000", "--grpc-port", "9000"], "different ports"),
+                        (["--api-key", " \n"], "only whitespace"),  # an empty key file: not an open server
+                        (["--max-headers", "1"], "greater than or equal to 16"),  # no request could pass
+                        (["--max-header-kb", "0.01"], "greater than or equal to 1"),
+                        (["--max-url-kb", "0.01"], "greater than or equal to 1")):
         with pytest.raises(ValueError, match=match):
             load_settings(argv)
     with pytest.raises(ValueError, match="head dim 257 is over 256"):
@@ -72,6 +76,15 @@ def test_values_no_server_can_use_are_refused(monkeypatch):
     assert load_settings(["--http-port", "9000", "--grpc-port", "0"]).grpc_port == 0  # gRPC off
     monkeypatch.setenv("ATTNSERVE_API_KEY", "s3cret\n")  # a key file's newline is not part of the key
     assert load_settings([]).api_key == "s3cret"
+    assert load_settings(["--api-key", ""]).api_key == ""  # no key, on purpose
+
+
+def test_a_usage_error_is_one_line():
+    for argv in (["--http-port", "0"], ["--no-such-option"]):
+        out = subprocess.run([sys.executable, "-m", "service", *argv], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith("python -m service: error: ") and "--help" in out.stderr
 
 
 def test_start_up_options(monkeypatch):

@@ -444,6 +444,54 @@ def test_grpc_deadline_becomes_the_request_deadline():
     assert deadline_of(Context(margin / 2)) <= time.monotonic()  # passed already: never launched
 
 
+def test_options_are_read_and_refused_as_over_http(stub, client):
+    """An option of the wrong kind gets the code and the words the HTTP routes give it: from the
+    server (a raw message: a NaN scale, a negative layer) and from the client, which reads each
+    option as the server reads it ("false" is false) and refuses the rest before sending."""
+    q, k, v = make_qkv((1, 2, 1, 3, 3, 4), torch.float32, seed=0)
+    err = status_of(stub.Attend, attend_msg(q, k, v, scale=float("nan")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(err.trailing_metadata())["attnserve-error-code"] == "bad_request"
+    assert "option 'scale' must be finite" in err.details()
+    err = status_of(stub.SessionAttend, pb.SessionAttendRequest(sessions=["s"], layer=-1, q=tensor_to_pb(q)))
+    assert dict(err.trailing_metadata())["attnserve-error-code"] == "bad_request"
+    assert "option 'layer' must be an integer >= 0, got -1" in err.details()
+    assert torch.equal(client.attention(q, k, v, causal="false"), client.attention(q, k, v, causal=False))
+    for bad, words in ((dict(window_size=(1.5, 0)), "'window_size' must be two integers"),
+                       (dict(causal="maybe"), "'causal' must be a boolean"), (dict(softcap=-1.0), "'softcap'")):
+        with pytest.raises(GrpcAttentionServiceError) as info:
+            client.attention(q, k, v, **bad)
+        assert info.value.status == grpc.StatusCode.INVALID_ARGUMENT and info.value.code == "bad_request"
+        assert words in info.value.message
+    with client.session(num_kv_heads=1, head_dim=4, dtype=torch.float32) as session:
+        with pytest.raises(GrpcAttentionServiceError, match="'layer' must be an integer >= 0, got 1.5"):
+            session.step(q, k, v, layer=1.5)
+        assert session.info()["lengths"] == [0]
+
+
+def test_a_closed_client_and_a_broken_request_iterator(server):
+    """After close() ready() is False and a call raises UNAVAILABLE saying so; a request iterator
+    that raises mid-stream ends the stream: the calls sent are answered, then its own error."""
+    q, k, v = make_qkv((1, 1, 1, 2, 2, 4), torch.float32, seed=1)
+    c = GrpcAttentionClient(server.grpc_target)
+
+    def items():
+        yield {"q": q, "k": k, "v": v}
+        raise RuntimeError("the caller's generator broke")
+
+    got = []
+    with pytest.raises(RuntimeError, match="the caller's generator broke"):
+        for rid, outcome in c.attention_stream(items()):
+            got.append(rid)
+            assert torch.equal(outcome, c.attention(q, k, v))
+    assert got == ["0"]
+    c.close()
+    assert c.ready() is False
+    with pytest.raises(GrpcAttentionServiceError, match="this client is closed") as info:
+        c.attention(q, k, v)
+    assert info.value.status == grpc.StatusCode.UNAVAILABLE
+
+
 def test_unavailable_when_nothing_listens():
     with GrpcAttentionClient(f"127.0.0.1:{free_port()}", timeout=5.0) as c:
         assert c.ready() is False

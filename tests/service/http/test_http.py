@@ -270,6 +270,54 @@ def test_client_reports_an_answer_that_is_not_safetensors():
         httpd.shutdown()
 
 
+def test_client_reports_a_connection_reset_mid_answer():
+    """A connection reset while the answer is read (a server killed mid-answer, a proxy) is 503
+    unavailable, as a clean close mid-answer is, not a bare ConnectionResetError."""
+    import socket
+    import struct
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.recv(1 << 20)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-safetensors\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + b"x" * 100)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        q, k, v = make((1, 1, 1, 2, 2, 4), torch.float32)
+        with AttentionClient(f"http://127.0.0.1:{listener.getsockname()[1]}") as c, \
+                pytest.raises(AttentionServiceError) as exc:
+            c.attention(q, k, v)
+        assert exc.value.status == 503 and exc.value.code == "unavailable", exc.value
+    finally:
+        listener.close()
+
+
+def test_client_sends_tensors_of_any_layout_and_reads_options_as_the_server(server):
+    """Tensors torch calls contiguous whose one element has another stride (expand(1), x[::2]) go
+    as their values; a bool option given as text ("false") means what the server reads it as."""
+    q, k, v = make((1, 2, 1, 3, 3, 4), torch.float32)
+    with AttentionClient(server.url) as c:
+        kv_lengths = torch.tensor(2, dtype=torch.int32).expand(1)
+        assert kv_lengths.is_contiguous() and kv_lengths.stride() == (0,)
+        o = c.attention(q, k, v, kv_lengths=kv_lengths)
+        assert_matches(o, q, k, v, kv_lengths=torch.tensor([2], dtype=torch.int32))
+        slopes = torch.tensor([0.5, 9.0, 0.25, 9.0])[::2]
+        o = c.attention(q, k, v, alibi_slopes=slopes)
+        assert torch.equal(o, c.attention(q, k, v, alibi_slopes=slopes.contiguous().clone()))
+        assert torch.equal(c.attention(q, k, v, causal="false"), c.attention(q, k, v, causal=False))
+        with pytest.raises(AttentionServiceError) as exc:
+            c.attention(q, k, v, causal="maybe")
+        assert exc.value.status == 400 and "'causal' must be a boolean" in exc.value.message
+    with pytest.raises(ValueError, match="http:// or https://"):
+        AttentionClient(server.url.removeprefix("http://"))
+
+
 def test_client(server, tiny_bert):
     c = AttentionClient(server.url)
     assert c.ready()
