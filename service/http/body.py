@@ -88,7 +88,8 @@ def deadline_from(header: str | None, settings: Settings, arrived: float) -> flo
         ms = float(header) if _DECIMAL.fullmatch(header.strip()) else math.nan
         if not (math.isfinite(ms) and ms >= 0):
             raise BadRequest(
-                f"X-Request-Timeout-Ms must be a non-negative number of milliseconds, got {header!r}"
+                f"X-Request-Timeout-Ms must be a non-negative decimal number of milliseconds (digits and "
+                f"one '.', e.g. 1000 or 2.5), got {header!r}"
             )
     return arrived + ms / 1000.0
 

@@ -285,6 +285,8 @@ def build_call(
 
 def sequence_id(value: Any) -> str | None:
     """``sequence_id`` -> the session id (``str`` of an integer); None for no sequence (absent, 0, "")."""
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:  # (JSON's parser: past 64 bits)
+        raise BadRequest("parameter 'sequence_id' is an integer past 64 bits; send such an id as a string")
     if isinstance(value, bool) or not (value is None or isinstance(value, int | str)):  # 0.0 and False == 0
         raise BadRequest(f"parameter 'sequence_id' must be an integer or a string, got {value!r}")
     if value is None or value == 0 or value == "":

@@ -147,7 +147,8 @@ def test_sequence_parameters_that_name_no_sequence_are_refused(server):
     cases = [({"sequence_id": 0.0}, "sequence_id"), ({"sequence_id": False}, "sequence_id"),
              ({"sequence_start": True}, "needs a sequence_id"), ({"sequence_id": "", "sequence_start": True},
                                                                  "needs a sequence_id"),
-             ({"sequence_id": 0, "sequence_end": True}, "needs a sequence_id")]
+             ({"sequence_id": 0, "sequence_end": True}, "needs a sequence_id"),
+             ({"sequence_id": 2**70, "sequence_start": True}, "past 64 bits; send such an id as a string")]
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for params, words in cases:
             r = http.post("/v2/models/attention/infer", json={"inputs": inputs, "parameters": params})
