@@ -36,8 +36,9 @@ def load(directory: Path) -> list[dict]:
             "mix": c["mix"], "transport": "+".join(c["user_classes"]),
             "batching": c.get("labels", {}).get("batching", ""), "users": c["users"],
             "processes": c["processes"], "requests": r.get("requests", 0), "failures": r.get("failures", 0),
-            **{k: r.get(k, math.nan) for k in ("rps", "p50_ms", "p95_ms", "p99_ms", "tflops",
+            **{k: r.get(k, math.nan) for k in ("p50_ms", "p95_ms", "p99_ms", "tflops",
                                                 "q_tokens_per_s", "kv_tokens_per_s")},
+            "rps": r.get("ok_rps", r.get("rps", math.nan)),  # answered requests a second (not failures)
             "mean_batch": b.get("mean") if b.get("mean") is not None else math.nan,
             "window_s": r.get("duration_s", math.nan), "memory": memory,
             "tag": c["tag"],
@@ -66,7 +67,7 @@ def _fmt(v) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["mix", "transport", "batching", "users", "req/s", "p50 ms", "p95 ms", "p99 ms", "fail/req",
+    head = ["mix", "transport", "batching", "users", "ok req/s", "p50 ms", "p95 ms", "p99 ms", "fail/req",
             "TFLOP/s", "q tok/s", "kv tok/s", "mean batch", "window s", "memory"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

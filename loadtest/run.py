@@ -94,7 +94,7 @@ def summarize(final_stats: Path) -> dict:
     doc = json.loads(final_stats.read_text())
     total = doc["total"]
     if not total["requests"]:
-        return {"requests": 0, "failures": 0, "rps": 0.0, "per_name": [], "errors": doc["errors"]}
+        return {"requests": 0, "failures": 0, "rps": 0.0, "ok_rps": 0.0, "per_name": [], "errors": doc["errors"]}
     duration = total["duration_s"]
     flops = q_tok = kv_tok = 0.0
     for e in doc["entries"]:
@@ -107,6 +107,7 @@ def summarize(final_stats: Path) -> dict:
     keys = ("requests", "failures", "rps", "p50_ms", "p95_ms", "p99_ms", "max_ms")
     return {
         **{k: total[k] for k in keys}, "duration_s": duration,
+        "ok_rps": (total["requests"] - total["failures"]) / duration,  # ("rps" counts failures too, as Locust's)
         "tflops": flops / duration / 1e12,
         "q_tokens_per_s": q_tok / duration, "kv_tokens_per_s": kv_tok / duration,
         "per_name": [{"type": e["type"], "name": e["name"], **{k: e[k] for k in keys}}
@@ -165,7 +166,7 @@ def print_summary(s: dict, out=sys.stdout) -> None:
     for n in r["per_name"] + [{**r, "name": "Aggregated"}]:
         p(f"{n['name'][:32]:32} {n['requests']:>8} {n['failures']:>6} {n['rps']:>9.2f} "
           f"{n['p50_ms']:>8.0f} {n['p95_ms']:>8.0f} {n['p99_ms']:>8.0f}")
-    p(f"throughput: {r['rps']:.1f} req/s, {r['tflops']:.3f} TFLOP/s, "
+    p(f"throughput: {r.get('ok_rps', r['rps']):.1f} req/s, {r['tflops']:.3f} TFLOP/s, "
       f"{r['q_tokens_per_s']:,.0f} query tokens/s, {r['kv_tokens_per_s']:,.0f} key tokens/s "
       f"(successful requests, over {r['duration_s']:.1f} s)")
     try:
@@ -238,12 +239,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.users < 1:
+        raise SystemExit(f"--users must be at least 1, got {a.users}")
+    try:
+        run_seconds(a.run_time)
+    except ValueError as exc:
+        raise SystemExit(f"--run-time: {exc}") from None
     session_mix = a.mix in sessions.SESSION_MIXES
     user_class = a.user_class or ("session" if session_mix else "st")
     classes = [c.strip() for c in user_class.split(",") if c.strip()]
     unknown = [c for c in classes if c not in USER_CLASSES]
     if unknown or not classes:
         raise SystemExit(f"unknown --user-class {unknown}; choose from {', '.join(USER_CLASSES)}")
+    if a.users < len(classes):  # Locust gives each class its share, rounded: some would get none
+        raise SystemExit(f"--users {a.users} is fewer than the {len(classes)} user classes of --user-class "
+                         f"{','.join(classes)}: each class needs at least one user")
     if session_mix != (classes == ["session"]):
         raise SystemExit(f"--mix {a.mix} is for --user-class {'session' if session_mix else 'st, json, oip, grpc'}; "
                          f"the session user takes the mixes {', '.join(sessions.SESSION_MIXES)}")

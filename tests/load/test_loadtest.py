@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def test_refused_requests_are_failures(server, tmp_path):
     r = summary["result"]
     assert rc == 1, out
     assert r["requests"] > 0 and r["failures"] == r["requests"], out
+    assert r["ok_rps"] == 0 and "throughput: 0.0 req/s" in out, out  # no answer: no throughput
     errors = " ".join(e["error"] for e in r["errors"])
     assert "401" in errors and "UNAUTHENTICATED" in errors, errors
 
@@ -429,6 +431,16 @@ def test_session_mix_and_user_class_must_match(tmp_path):
     for args in (["--mix", "sessions", "--user-class", "st"], ["--mix", "small", "--user-class", "session"]):
         with pytest.raises(SystemExit, match="is for --user-class"):
             run.main(["--host", "http://127.0.0.1:9", "--reports-dir", str(tmp_path), *args])
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--users", "-3"], "--users must be at least 1"),
+    (["--run-time", "xyz"], "--run-time: run time 'xyz'"),
+    (["--users", "2", "--user-class", "st,grpc,oip"], "fewer than the 3 user classes"),  # one class would get none
+])
+def test_values_locust_would_take_badly_are_refused_first(tmp_path, args, words):
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        run.main(["--host", "http://127.0.0.1:9", "--reports-dir", str(tmp_path), *args])
 
 
 def _served(ref, layer: int, q: np.ndarray) -> np.ndarray:
