@@ -354,8 +354,17 @@ class SessionCache(Cache):
 
 
 def _delete_left(sessions: list[Session]) -> None:
-    """A collected SessionCache's sessions that ``close()`` did not delete: deleted, best effort (a
-    delete that fails ends it quietly; the server ends the rest after ``--session-idle-s``)."""
+    """A collected SessionCache's sessions that ``close()`` did not delete: deleted on a thread of
+    their own. The collection runs wherever the garbage collector happens to run: deleting there
+    held that thread up to a client timeout (a server that stopped answering), and a Ctrl-C landing
+    meanwhile was swallowed as an exception in a finalizer."""
+    if sessions:
+        threading.Thread(target=_delete_quietly, args=(sessions,), name="attnserve-dropped-cache",
+                         daemon=True).start()
+
+
+def _delete_quietly(sessions: list[Session]) -> None:
+    """Best effort: a delete that fails ends it (the server ends the rest after ``--session-idle-s``)."""
     for s in list(sessions):
         try:
             s.delete(missing_ok=True)

@@ -538,6 +538,27 @@ def test_gemma2_soft_capped_sliding_and_full_layers_equal_the_local_model(server
     assert session_count(server) == 0
 
 
+def test_a_dropped_cache_never_blocks_the_collecting_thread(models, server):
+    """The finalizer of a dropped SessionCache deletes on a thread of its own: collected while the
+    server answers nothing, it returns at once (it waited out the client's timeout on whatever thread
+    collected it, swallowing a Ctrl-C meanwhile); the sessions go once the server answers again."""
+    import gc
+
+    _, served = models
+    with AttentionClient(server.url, timeout=5.0) as client:
+        cache = SessionCache(client, served, batch_size=2)
+        assert session_count(server) == 2
+        with stopped(server):
+            del cache
+            start = time.monotonic()
+            gc.collect()
+            assert time.monotonic() - start < 2.5
+        deadline = time.monotonic() + 30
+        while session_count(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert session_count(server) == 0
+
+
 def test_a_dropped_cache_deletes_its_sessions_and_a_non_causal_module_is_named(models, server, http):
     """A SessionCache used as a DynamicCache is (no with, no close()) deletes its sessions once
     collected (they stayed until --session-idle-s). An encoder's (non-causal) attention call says it
@@ -549,7 +570,10 @@ def test_a_dropped_cache_deletes_its_sessions_and_a_non_causal_module_is_named(m
     generate(served, prompt(6, seed=3)[None].expand(2, -1), cache=cache)
     assert session_count(server) == 2
     del cache
-    gc.collect()
+    gc.collect()  # (its finalizer deletes them on a thread of its own: never on the collecting one)
+    deadline = time.monotonic() + 30
+    while session_count(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert session_count(server) == 0
     encoder = torch.nn.Module()
     encoder.is_causal = False
