@@ -108,6 +108,13 @@ async def serve(settings: Settings) -> int:
     except (ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
+    if settings.http_fd is None:  # a lone server (a --processes child's ports are its supervisor's to check)
+        from service.processes import bind_error
+
+        for kind, port in (("HTTP", settings.http_port), ("gRPC", settings.grpc_port)):
+            if port and (reason := bind_error(settings.host, port)):  # one line, before the warm-up
+                log.error("cannot bind %s %s:%d: %s", kind, settings.host, port, reason)
+                return 1  # (the host's state, not a setting: as --processes' supervisor answers it)
     reusing = allocator.install(settings)
     if reusing:
         log.debug("glibc keeps freed blocks up to %d MiB for reuse",
@@ -186,7 +193,7 @@ async def serve(settings: Settings) -> int:
                 exit_code = 1
             break
         if http_task in done:  # uvicorn stopped on its own: could not bind, or failed
-            log.error("the HTTP server stopped; shutting down")
+            log.error("the HTTP server %s; shutting down", "stopped" if http.started else "could not start")
             exit_code = 1
             break
 
