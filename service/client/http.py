@@ -203,10 +203,14 @@ class AttentionClient(SessionsMixin):
             code, message = (err["code"], err["message"]) if isinstance(err, dict) else (code, str(err))
         except (orjson.JSONDecodeError, KeyError, TypeError):
             pass
-        try:  # seconds, as this service sends; a proxy may send an HTTP date instead
-            retry = float(r.headers["retry-after"])
-        except (KeyError, ValueError):
-            retry = None
+        retry = None
+        with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            retry = float(orjson.loads(r.data)["error"]["retry_after_s"])  # the body's: not rounded up to 1 s
+        if retry is None:
+            try:  # seconds, as this service sends; a proxy may send an HTTP date instead
+                retry = float(r.headers["retry-after"])
+            except (KeyError, ValueError):
+                retry = None
         raise AttentionServiceError(r.status, code, message, retry)
 
     def attention(

@@ -33,6 +33,8 @@ def error_response(
     body: dict[str, Any] = (
         {"error": message} if path.startswith("/v2") else {"error": {"code": code, "message": message}}
     )
+    if status == 429 and retry_after_s is not None and not path.startswith("/v2"):
+        body["error"]["retry_after_s"] = round(retry_after_s, 3)  # the header holds whole seconds only
     headers = dict(headers or {})  # e.g. Allow on a 405
     if status == 429:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s or 1)))
