@@ -364,7 +364,7 @@ def write_report(out_dir: Path, fwd, long_rows, dec, bwd, meta, plot_ok):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default="docs/benchmarks")
+    ap.add_argument("--out-dir", default="reports/kernels")  # (docs/benchmarks holds the curated page)
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new shapes after this")
     ap.add_argument("--sections", default="forward,long,decode,backward,heads",
                     help="comma-separated subset of forward, long, decode, backward, heads (bench/heads.py: "

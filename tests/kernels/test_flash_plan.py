@@ -39,7 +39,7 @@ def test_decode_splits_the_keys():
 @pytest.mark.parametrize("hq, hkv, n_k", [(32, 8, 8192), (32, 8, 65536), (8, 8, 4096), (4, 4, 4096)])
 def test_decode_splits_fill_one_wave_per_batch_element(hq, hkv, n_k):
     """The fewest splits whose programs cover every SM once: on the H200 one wave beat two at
-    B = 1 and at B = 16 (docs/benchmarks/kernels.md, ninth session)."""
+    B = 1 and at B = 16 (docs/benchmarks/kernels.md)."""
     cpu = torch.device("cpu")
     pack, splits, kps = flash.plan(1, hq, hkv, 1, n_k, cpu)
     programs = hq // pack  # one row block each: pack·Nq <= 16 rows
