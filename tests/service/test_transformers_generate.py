@@ -12,7 +12,6 @@ import contextlib
 import copy
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -460,16 +459,19 @@ def test_close_against_a_server_that_stopped_answering(models, server):
     assert session_count(server) == 0
     with AttentionClient(server.url, timeout=5.0) as client:
         cache = SessionCache(client, served, batch_size=3)
-        main = threading.get_ident()
-        with stopped(server):
-            timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
-            timer.start()
-            try:
-                with pytest.raises(KeyboardInterrupt):
-                    cache.close()
-            finally:
-                timer.cancel()  # no Ctrl-C may land after the test
-            assert len(cache.sessions) == 3
+        deletes = []
+
+        def interrupted(session, affinity):  # a Ctrl-C while the first delete waits for its answer
+            deletes.append(session)
+            raise KeyboardInterrupt
+
+        # (raised in the call, not sent as a signal: whether a signal reaches a thread blocked in recv
+        # depends on the process's signal state, which other code in a test process may change)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(client, "_delete_session", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                cache.close()
+        assert len(deletes) == 1 and len(cache.sessions) == 3
         cache.close()
     assert session_count(server) == 0
 
