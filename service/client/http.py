@@ -198,14 +198,14 @@ class AttentionClient(SessionsMixin):
         if r.status < 400:
             return
         code, message = "http_error", r.data.decode(errors="replace")
+        retry = None
         try:
             err = orjson.loads(r.data)["error"]
             code, message = (err["code"], err["message"]) if isinstance(err, dict) else (code, str(err))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            if isinstance(err, dict) and err.get("retry_after_s") is not None:
+                retry = float(err["retry_after_s"])  # the body's: not rounded up to whole seconds
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             pass
-        retry = None
-        with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-            retry = float(orjson.loads(r.data)["error"]["retry_after_s"])  # the body's: not rounded up to 1 s
         if retry is None:
             try:  # seconds, as this service sends; a proxy may send an HTTP date instead
                 retry = float(r.headers["retry-after"])
