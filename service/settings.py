@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LAYER_DTYPES = ("float16", "bfloat16", "float32")  # service.wire.tensors.FLOAT_DTYPES (this module imports no torch)
 
 
 class Settings(BaseSettings):
@@ -233,6 +234,14 @@ class Settings(BaseSettings):
         if level not in LOG_LEVELS:
             raise ValueError(f"unknown logging level {value!r}; choose {', '.join(LOG_LEVELS)}")
         return level
+
+    @field_validator("layer_dtype")
+    @classmethod
+    def _layer_dtype(cls, value: str | None) -> str | None:
+        """Checked with or without a --layer (a value no layer could take is a mistake either way)."""
+        if value and value not in LAYER_DTYPES:
+            raise ValueError(f"{value!r} is not a layer dtype; choose one of {', '.join(LAYER_DTYPES)}")
+        return value
 
     @field_validator("api_key")
     @classmethod

@@ -104,6 +104,8 @@ def q_lengths_tensor(q_lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """A packed step's rows of q per session, as int32 [S]; integers only (2.9 is no row count)."""
     if q_lengths is None:
         raise TypeError("a packed step needs q_lengths: the rows of q of each session, in order")
+    if not isinstance(q_lengths, torch.Tensor) and len(q_lengths) == 0:
+        raise TypeError("q_lengths is empty: a packed step names at least one session, with its rows of q")
     t = torch.as_tensor(q_lengths)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"q_lengths must be integers (rows of q per session), got {t.dtype}")

@@ -454,8 +454,8 @@ def test_settings_errors(tmp_path):
     # an OIP model of that name is the attention's: the layer could not be reached (tritonclient got 400s)
     with pytest.raises(LayerConfigError, match="the name 'attention' is the Open Inference Protocol's"):
         load_layers(Settings(layer=[f"attention={tmp_path}/ckpt:0"]))
-    with pytest.raises(LayerConfigError, match="layer dtype 'float64' is not supported"):
-        load_layers(Settings(layer=[f"a={tmp_path}/ckpt:0"], layer_dtype="float64"))
+    with pytest.raises(ValueError, match="'float64' is not a layer dtype"):  # refused with the settings
+        Settings(layer=[f"a={tmp_path}/ckpt:0"], layer_dtype="float64")
     with pytest.raises(LayerConfigError, match="'a' is given twice"):
         load_layers(Settings(layer=[f"a={tmp_path}/ckpt:0", f"a={tmp_path}/ckpt:1"]))
     with pytest.raises(LayerConfigError, match="NAME=DIR:INDEX"):

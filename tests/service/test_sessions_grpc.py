@@ -242,6 +242,8 @@ def test_client_refusals_match_the_servers_and_name_the_item(server, client, htt
     q, k, v = (t[0].transpose(0, 1) for t in qkv(3, 6))
     with pytest.raises(TypeError, match="q_lengths must be integers"):
         c.packed_step([s], q, k, v, [2.9, 0.1])
+    with pytest.raises(TypeError, match="q_lengths is empty"):  # (torch reads [] as float32)
+        c.packed_step([s], q, k, v, [])
     o = c.packed_step(s, q, k, v, [3])  # one session alone, as a handle
     assert c.get_session(s)["lengths"] == [3]
     if transport == "grpc":

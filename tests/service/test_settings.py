@@ -67,7 +67,8 @@ def test_values_no_server_can_use_are_refused(monkeypatch):
                         (["--api-key", " \n"], "only whitespace"),  # an empty key file: not an open server
                         (["--max-headers", "1"], "greater than or equal to 16"),  # no request could pass
                         (["--max-header-kb", "0.01"], "greater than or equal to 1"),
-                        (["--max-url-kb", "0.01"], "greater than or equal to 1")):
+                        (["--max-url-kb", "0.01"], "greater than or equal to 1"),
+                        (["--layer-dtype", "float64"], "not a layer dtype")):  # with or without a --layer
         with pytest.raises(ValueError, match=match):
             load_settings(argv)
     with pytest.raises(ValueError, match="head dim 257 is over 256"):
@@ -77,6 +78,13 @@ def test_values_no_server_can_use_are_refused(monkeypatch):
     monkeypatch.setenv("ATTNSERVE_API_KEY", "s3cret\n")  # a key file's newline is not part of the key
     assert load_settings([]).api_key == "s3cret"
     assert load_settings(["--api-key", ""]).api_key == ""  # no key, on purpose
+
+
+def test_the_layer_dtypes_are_the_wire_dtypes():
+    from service.settings import LAYER_DTYPES
+    from service.wire.tensors import FLOAT_DTYPES
+
+    assert LAYER_DTYPES == tuple(FLOAT_DTYPES)
 
 
 def test_a_usage_error_is_one_line():
