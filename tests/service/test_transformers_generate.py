@@ -465,8 +465,8 @@ def test_close_against_a_server_that_stopped_answering(models, server):
             deletes.append(session)
             raise KeyboardInterrupt
 
-        # (raised in the call, not sent as a signal: whether a signal reaches a thread blocked in recv
-        # depends on the process's signal state, which other code in a test process may change)
+        # (raised in the call, not sent as a signal: a suite started in the background by a
+        # non-interactive shell, `make test &`, inherits SIGINT ignored, and a SIGINT then does nothing)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(client, "_delete_session", interrupted)
             with pytest.raises(KeyboardInterrupt):
