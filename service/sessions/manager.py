@@ -322,12 +322,14 @@ class SessionManager:
             raise
 
     def _abandoned(self, task: asyncio.Future, works: list[Work]) -> None:
-        """The caller went away (an HTTP client hung up, a gRPC call was cancelled). Parts of the
-        step not launched yet never launch, and then the step fails whole: parts that ran are undone,
-        nothing is appended. A step whose every part was launched completes, its answer unread."""
-        gone = Cancelled("the caller went away before the step was launched; nothing was appended")
+        """The caller went away (an HTTP client hung up, a gRPC call was cancelled): the step
+        appends nothing. Parts not launched yet never launch; its deadline is set to the past, so
+        that a part staged behind a running launch is skipped as expired (``launch_steps``) and a
+        part that ran is undone (``_run``: a step that ends past its deadline fails whole)."""
+        gone = Cancelled("the caller went away before the step was answered; nothing was appended")
         withdrawn = [self.schedulers[w.seqs[0].session.worker].withdraw(w, gone) for w in works]
         self.metrics.cancelled.labels("session", "queued" if any(withdrawn) else "launched").inc()
+        works[0].step.deadline = float("-inf")  # (the works of a step share it)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it now
 
     def _works(self, step: SessionStep) -> list[Work]:

@@ -904,6 +904,41 @@ def test_a_long_cpu_step_does_not_run_on_the_event_loop(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_step_whose_caller_went_away_while_staged_appends_nothing():
+    """A step handed to its worker behind a running launch (staged) whose caller then goes away
+    (a client hang-up cancels the awaiting task) appends nothing: it is skipped as expired, or
+    undone had it run. It was launched and kept, counted as a success and a cancellation both."""
+    from service.sessions.step import SessionStep
+
+    async def main():
+        engine = Engine(cpu_settings())
+        await engine.start()
+        sessions = engine.sessions
+        scheduler = sessions.schedulers[0]
+        busy = sessions.create(num_kv_heads=2, head_dim=64, dtype="float32")["session"]
+        sid = sessions.create(num_kv_heads=2, head_dim=64, dtype="float32")["session"]
+        big = asyncio.ensure_future(sessions.step(SessionStep.single(busy, *qkv(hq=8, nq=4096, nk=4096, d=64))))
+        while scheduler.inflight < 1:
+            await asyncio.sleep(0.001)
+        step = asyncio.ensure_future(sessions.step(SessionStep.single(sid, *qkv(hq=8, nq=1, nk=1, d=64, seed=3))))
+        deadline = time.monotonic() + 30
+        while scheduler.inflight < 2 and time.monotonic() < deadline:  # staged behind the running launch
+            await asyncio.sleep(0.001)
+        assert scheduler.inflight == 2 and not big.done(), "the step was not staged behind the big one"
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        await big
+        while sessions.held:  # the abandoned step finishes (skipped) on its own
+            await asyncio.sleep(0.01)
+        assert sessions.describe(sid)["lengths"] == [0]
+        again = await sessions.step(SessionStep.single(sid, *qkv(hq=8, nq=1, nk=1, d=64, seed=4)))
+        assert again.lengths == [1]
+        await engine.drain()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("options", [{}, {"softcap": 5.0, "window_size": (700, 700), "alibi": True},
                                      {"causal": True, "softcap": 5.0, "window_size": (64, 64), "alibi": True}],
                          ids=["plain", "modifiers", "causal-modifiers"])
