@@ -24,7 +24,10 @@ from service.auth import check_api_key
 from service.core.types import new_request_id
 from service.errors import ServiceError
 from service.http.errors import internal_error_response, service_error_response
+from service.sessions.routing import FORWARDED, UNION_PART
 from service.settings import Settings
+
+FORWARDED_HEADER = FORWARDED.encode()
 
 log = logging.getLogger("attnserve.http")
 
@@ -89,7 +92,7 @@ class EdgeMiddleware:
         headers = {
             k.decode("latin-1"): v.decode("latin-1")
             for k, v in scope["headers"]
-            if k in (b"x-request-id", b"authorization", b"x-api-key")
+            if k in (b"x-request-id", b"authorization", b"x-api-key", FORWARDED_HEADER)
         }
         rid = headers.get("x-request-id", "")[:128] or new_request_id()
         scope.setdefault("state", {})["request_id"] = rid
@@ -120,6 +123,7 @@ class EdgeMiddleware:
                     response = service_error_response(path, exc)
                 await response(scope, receive, send_with_id)
         except ServiceError as exc:  # the API key check (route errors are answered by the handlers)
+            self._match_route(scope)  # (the refusal is counted under the route it was for)
             if not started:
                 await service_error_response(path, exc)(scope, receive, send_with_id)
         except Exception:  # a bug: log it here, tell the client nothing about it
@@ -127,6 +131,16 @@ class EdgeMiddleware:
             if not started:
                 await internal_error_response(path)(scope, receive, send_with_id)
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
-            self.metrics.observe(label, scope["method"], status, time.perf_counter() - start)
+            if not headers.get(FORWARDED, "").endswith(UNION_PART.decode()):  # (counted by the front's part)
+                route = scope.get("route")
+                label = getattr(route, "path", None) or "unmatched"
+                self.metrics.observe(label, scope["method"], status, time.perf_counter() - start)
+
+    def _match_route(self, scope: Scope) -> None:
+        """``scope["route"]`` for a request refused before routing (the app's routes, matched as its
+        router matches them), so that its metrics name the route; unknown paths stay unmatched."""
+        for route in getattr(getattr(self.app, "router", None), "routes", ()):
+            match, child = route.matches(scope)
+            if match == Match.FULL:
+                scope.update(child)
+                return

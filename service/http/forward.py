@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from service.errors import InvalidInput, ServiceError
-from service.sessions.routing import FORWARDED, owners_of, peers_of, single_owner
+from service.sessions.routing import FORWARDED, UNION_PART, owners_of, peers_of, single_owner
 
 PEER_AUTHORITY = "attnserve-peer"
 
@@ -294,9 +294,11 @@ class HTTPRouter:
         import httpx
 
         headers = self._request_headers(scope)
+        # the others' parts are marked: the client's one call is counted once, by this process's part
+        part = [(k, v + UNION_PART if k == FORWARDED.encode() else v) for k, v in headers]
 
         async def one(i: int):
-            return await self.client(i).get("/sessions", headers=headers)
+            return await self.client(i).get("/sessions", headers=headers if i == self.peers.index else part)
 
         try:
             answers = await asyncio.gather(*(one(i) for i in range(self.peers.count)))

@@ -136,6 +136,12 @@ def test_two_processes_share_the_ports_and_their_metrics(tmp_path):
         assert "attnserve_ready 1.0" in text.splitlines()  # every process ready (livemin)
         assert "attnserve_inference_pending_requests 0.0" in text.splitlines()  # summed: nothing held
         assert "[" in srv.log() and "processes serving HTTP" in srv.log()
+        # GET /sessions asks every process (the union): one client call is one request in the metrics
+        for _ in range(5):
+            assert httpx.get(srv.url + "/sessions", timeout=30).status_code == 200
+        series = 'attnserve_http_requests_total{method="GET",route="/sessions",status="200"}'
+        lines = httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+        assert [float(x.split()[-1]) for x in lines if x.startswith(series)] == [5.0], lines
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()
         assert not any(os.path.exists(f"/proc/{p}") for p in workers)  # drained, exited, reaped

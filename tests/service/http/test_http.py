@@ -669,8 +669,15 @@ def test_health_metrics_docs(http):
 # ---------------------------------------------------------------- guarded server: 401, 413, 429
 
 
+def _http_requests(url):
+    metrics = httpx.get(url + "/metrics", headers={"X-API-Key": API_KEY}).text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+            if line.startswith("attnserve_http_requests_total{")}
+
+
 def test_api_key_401(guarded):
     url = guarded.url
+    before = _http_requests(url)
     body, headers = _st(q=Q, k=K, v=V), {"Content-Type": "application/x-safetensors"}
     for extra in ({}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(url + "/attention", content=body, headers={**headers, **extra})
@@ -686,6 +693,12 @@ def test_api_key_401(guarded):
         assert httpx.post(url + "/attention", content=body, headers={**headers, **extra}).status_code == 200
     with AttentionClient(url, api_key=API_KEY) as c:
         assert_matches(c.attention(Q, K, V), Q, K, V)
+    # the refusals are counted under the routes they were for (the key is checked before routing)
+    after = _http_requests(url)
+    for series, calls in (('{method="POST",route="/attention",status="401"}', 4),
+                          ('{method="GET",route="/layers",status="401"}', 1)):
+        name = "attnserve_http_requests_total" + series
+        assert after.get(name, 0) - before.get(name, 0) == calls, (name, after)
 
 
 def test_body_limit_413(guarded):
