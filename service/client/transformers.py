@@ -36,6 +36,7 @@ This module imports transformers; ``service.client`` does not import this module
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 import weakref
@@ -359,8 +360,9 @@ def _delete_left(sessions: list[Session]) -> None:
     held that thread up to a client timeout (a server that stopped answering), and a Ctrl-C landing
     meanwhile was swallowed as an exception in a finalizer."""
     if sessions:
-        threading.Thread(target=_delete_quietly, args=(sessions,), name="attnserve-dropped-cache",
-                         daemon=True).start()
+        with contextlib.suppress(RuntimeError):  # the interpreter is shutting down: no new thread
+            threading.Thread(target=_delete_quietly, args=(sessions,), name="attnserve-dropped-cache",
+                             daemon=True).start()
 
 
 def _delete_quietly(sessions: list[Session]) -> None:
