@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -35,11 +34,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.client.http import AttentionServiceError
 from service.client.sessions import SessionsMixin, checked_affinity, q_lengths_tensor, session_ids
-from service.errors import BadRequest, ServiceError
+from service.errors import ServiceError
 from service.grpc import codec as grpc_codec
 from service.grpc.protogen import attention_stubs
 from service.wire import SESSION_HEADER, tensors
-from service.wire.options import PARSERS, parse_bool
+from service.wire.options import PARSERS, parse_bool, parse_layer
 
 _stubs = attention_stubs()
 pb, pb_grpc = _stubs.attention_pb2, _stubs.attention_pb2_grpc
@@ -97,17 +96,8 @@ def _options(**raw: Any) -> dict[str, Any]:
     """Option values as the server reads them (``service.wire.options``; None stays unset): one of
     the wrong kind is refused here in the server's words (``_building``: INVALID_ARGUMENT), where
     the message's field would refuse it in protobuf's, or take "false" as true."""
-    out: dict[str, Any] = {}
-    for name, value in raw.items():
-        if value is None:
-            out[name] = None
-        elif name == "layer":
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise BadRequest(f"option 'layer' must be an integer >= 0, got {value!r}")
-            out[name] = int(value)
-        else:
-            out[name] = parse_bool(name, value) if name == "end" else PARSERS[name](name, value)
-    return out
+    parsers = {**PARSERS, "layer": parse_layer, "end": parse_bool}
+    return {name: None if value is None else parsers[name](name, value) for name, value in raw.items()}
 
 
 def _masks(window_size: Sequence[int] | None, softcap: float | None) -> dict:

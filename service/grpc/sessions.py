@@ -23,6 +23,7 @@ from service.errors import BadRequest
 from service.grpc import codec, forward
 from service.grpc.codec import declared_bytes, offload, result_bytes
 from service.sessions import SessionStep
+from service.wire.options import parse_layer
 from service.wire.tensors import DTYPE_NAMES, ServerTiming
 
 pb = codec.pb
@@ -38,10 +39,8 @@ def session_step(msg, *, deadline: float | None, request_id: str | None = None) 
         raise BadRequest("a step names at least one session in 'sessions'")
     q = codec.tensor_from_pb(msg, "q")
     k, v = (codec.tensor_from_pb(msg, name, required=False) for name in ("k", "v"))
-    if msg.layer < 0:  # (as the HTTP routes word it)
-        raise BadRequest(f"option 'layer' must be an integer >= 0, got {msg.layer}")
     options: dict[str, Any] = {
-        "layer": msg.layer, "causal": msg.causal if msg.HasField("causal") else True,
+        "layer": parse_layer("layer", msg.layer), "causal": msg.causal if msg.HasField("causal") else True,
         "scale": codec.scale_of(msg), "return_lse": msg.return_lse, "end": msg.end,
         "deadline": deadline, **codec.mask_options(msg),
     }

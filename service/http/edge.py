@@ -77,12 +77,7 @@ class EdgeMiddleware:
 
     def _direct_route(self, scope: Scope) -> Any:
         """The DirectRoute that serves this request, its path parameters put in ``scope``; or None."""
-        for route in self.direct:
-            match, child = route.matches(scope)
-            if match is Match.FULL:
-                scope.update(child)
-                return route
-        return None
+        return _matching(self.direct, scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -131,7 +126,7 @@ class EdgeMiddleware:
             if not started:
                 await internal_error_response(path)(scope, receive, send_with_id)
         finally:
-            if not headers.get(FORWARDED, "").endswith(UNION_PART.decode()):  # (counted by the front's part)
+            if not headers.get(FORWARDED, "").endswith(UNION_PART):  # (counted by the front's part)
                 route = scope.get("route")
                 label = getattr(route, "path", None) or "unmatched"
                 self.metrics.observe(label, scope["method"], status, time.perf_counter() - start)
@@ -139,8 +134,14 @@ class EdgeMiddleware:
     def _match_route(self, scope: Scope) -> None:
         """``scope["route"]`` for a request refused before routing (the app's routes, matched as its
         router matches them), so that its metrics name the route; unknown paths stay unmatched."""
-        for route in getattr(getattr(self.app, "router", None), "routes", ()):
-            match, child = route.matches(scope)
-            if match == Match.FULL:
-                scope.update(child)
-                return
+        _matching(getattr(getattr(self.app, "router", None), "routes", ()), scope)
+
+
+def _matching(routes: Sequence[Any], scope: Scope) -> Any:
+    """The first of ``routes`` that matches this request whole, its match put in ``scope``; or None."""
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is Match.FULL:
+            scope.update(child)
+            return route
+    return None

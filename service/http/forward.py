@@ -295,7 +295,7 @@ class HTTPRouter:
 
         headers = self._request_headers(scope)
         # the others' parts are marked: the client's one call is counted once, by this process's part
-        part = [(k, v + UNION_PART if k == FORWARDED.encode() else v) for k, v in headers]
+        part = [(k, v + UNION_PART.encode() if k == FORWARDED.encode() else v) for k, v in headers]
 
         async def one(i: int):
             return await self.client(i).get("/sessions", headers=headers if i == self.peers.index else part)

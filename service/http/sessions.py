@@ -33,7 +33,7 @@ from service.http.openapi import CREATE_SESSION_OPENAPI, PACKED_STEP_OPENAPI, ST
 from service.http.routes import DirectRoute
 from service.sessions import SessionStep
 from service.settings import Settings
-from service.wire.options import int_text, parse_bool, parse_options
+from service.wire.options import parse_bool, parse_layer, parse_options
 from service.wire.tensors import ServerTiming
 
 STEP_TENSORS = ("q", "k", "v", "alibi_slopes")
@@ -42,20 +42,12 @@ PACKED_OPTIONS = (*STEP_OPTIONS, "sessions")
 CREATE_FIELDS = ("session", "layers", "num_kv_heads", "head_dim", "dtype")
 
 
-def _parse_layer(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and (n := int_text(value)) is not None:
-        return n
-    raise BadRequest(f"option 'layer' must be an integer >= 0, got {value!r}")
-
-
 def step_options(raw: Mapping[str, Any]) -> dict[str, Any]:
     """Raw option values (query strings, metadata strings, JSON values) -> SessionStep keywords."""
     out = parse_options({k: v for k, v in raw.items()
                          if k in ("causal", "scale", "layout", "return_lse", "window_size", "softcap")})
     if "layer" in raw:
-        out["layer"] = _parse_layer(raw["layer"])
+        out["layer"] = parse_layer("layer", raw["layer"])
     if "end" in raw:
         out["end"] = parse_bool("end", raw["end"])
     return out

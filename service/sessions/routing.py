@@ -46,7 +46,7 @@ from typing import Any
 from service.errors import InvalidInput
 
 FORWARDED = "x-attnserve-forwarded"
-UNION_PART = b":union-part"  # ends FORWARDED's value on the other processes' parts of a GET /sessions
+UNION_PART = ":union-part"  # ends FORWARDED's value on the other processes' parts of a GET /sessions
 
 
 def owner(session: str, processes: int) -> int:

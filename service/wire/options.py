@@ -10,6 +10,7 @@ names the thing in that message: "option" (native API) or "parameter" (OIP).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,6 +51,15 @@ def parse_bool(name: str, value: Any, what: str = "option") -> bool:
         if value.strip().lower() in _FALSE:
             return False
     raise BadRequest(f"{what} {name!r} must be a boolean (true/false), got {value!r}")
+
+
+def parse_layer(name: str, value: Any, what: str = "option") -> int:
+    """A session step's layer: an integer >= 0 (any integral type), or a string of decimal digits."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    if isinstance(value, str) and (n := int_text(value)) is not None:
+        return n
+    raise BadRequest(f"{what} {name!r} must be an integer >= 0, got {value!r}")
 
 
 def parse_scale(name: str, value: Any, what: str = "option", huge: float | None = None) -> float | None:
