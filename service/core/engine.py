@@ -82,7 +82,8 @@ class Engine:
         parse_shapes(self.settings.warmup_shapes)  # a bad warm-up option fails here, before any port is bound
         parse_dtypes(self.settings.warmup_dtypes)
         self._layers = _load_layers(self.settings)
-        self.workers = [Worker(d, self.settings, self.metrics, self._layers) for d in devices]
+        self.workers = [Worker(d, self.settings, self.metrics, self._layers, name) for d, name in
+                        zip(devices, worker_names(devices), strict=True)]
         self.batcher = Batcher(self.workers, self.settings, self.metrics)
         self.sessions = SessionManager(self.settings, self.metrics, self.workers, accepting=self._check_accepting,
                                        held_elsewhere=lambda: self.requests_held)
@@ -238,3 +239,17 @@ def _empty_device_cache(lock: Any) -> tuple[None, None]:
 
 
 __all__ = ["Engine"]
+
+
+def worker_names(devices: list[torch.device]) -> list[str]:
+    """Each worker's name: its device's ("cuda:1"); a device listed twice ("--device cpu,cpu") gets
+    "cpu-0", "cpu-1", so that its workers' metrics do not share one label."""
+    names = [str(d) for d in devices]
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if names.count(n) > 1:
+            seen[n] = seen.get(n, -1) + 1
+            n = f"{n}-{seen[n]}"
+        out.append(n)
+    return out

@@ -65,9 +65,11 @@ def _is_oom(exc: BaseException) -> bool:
 class Worker:
     """Owns one device: its thread, its CUDA stream, its copies of the layers."""
 
-    def __init__(self, device: torch.device, settings: Settings, metrics: Metrics, layers: dict[str, Any]):
+    def __init__(self, device: torch.device, settings: Settings, metrics: Metrics, layers: dict[str, Any],
+                 name: str | None = None):
+        """``name``: its label in metrics and logs (default: the device's)."""
         self.device = device
-        self.name = str(device)
+        self.name = name or str(device)
         self.settings = settings
         self.metrics = metrics
         self._host_layers = layers

@@ -82,6 +82,7 @@ class SessionTable:
     def __init__(self, max_sessions: int, idle_s: float):
         self.max_sessions, self.idle_s = max_sessions, idle_s
         self.sessions: dict[str, Session] = {}
+        self.per_worker: collections.Counter[int] = collections.Counter()  # sessions held by each worker
         self.make_id: Callable[[], str] = lambda: uuid.uuid4().hex  # routing.new_session_id under --processes
 
     def new_id(self, session: str | None) -> str:
@@ -99,6 +100,7 @@ class SessionTable:
                 "0 more can be created until some end"
             )
         self.sessions[s.id] = s
+        self.per_worker[s.worker] += 1
 
     def get(self, session: str) -> Session:
         s = self.sessions.get(session)
@@ -111,6 +113,7 @@ class SessionTable:
     def pop(self, session: str) -> Session:
         s = self.get(session)
         del self.sessions[session]
+        self.per_worker[s.worker] -= 1
         s.ended = True
         return s
 
@@ -167,7 +170,7 @@ class SessionManager:
             scheduler = StepScheduler(w, cache, self.settings, self.metrics)
             self.schedulers.append(scheduler)
             self.metrics.track_sessions(
-                w.name, lambda i=i: sum(1 for s in self.table.sessions.values() if s.worker == i),
+                w.name, lambda i=i: self.table.per_worker[i],
                 lambda c=cache: c.used_bytes, lambda c=cache: c.capacity_bytes, lambda c=cache: c.pages_free,
                 lambda s=scheduler: len(s.queue),
             )
@@ -228,7 +231,7 @@ class SessionManager:
         g = Geometry(num_kv_heads, head_dim, dtype)
         self._check_fits(g)
         sid = self.table.new_id(session)
-        held = collections.Counter(x.worker for x in self.table.sessions.values())
+        held = self.table.per_worker  # (kept by the table: counting the sessions made a create O(sessions))
         # the most free cache, then the fewest sessions: a burst of new sessions (no pages yet) spreads
         worker = max(range(len(self.workers)), key=lambda i: (self.caches[i].free_bytes, -held[i], -i))
         g = self._geometries.setdefault(g, g)  # one object per geometry: a step's checks compare identities

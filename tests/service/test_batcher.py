@@ -279,7 +279,7 @@ def test_two_workers_share_the_load(gate):
 
     async def main():
         async with started_engine("--device", "cpu,cpu") as engine:
-            assert engine.devices == ["cpu", "cpu"]
+            assert engine.devices == ["cpu-0", "cpu-1"]
             g = gate(hold=True)
             a = asyncio.create_task(engine.attend(make_request(SHAPES[0], OPTIONS[0], seed=0)))
             await g.wait_entered()

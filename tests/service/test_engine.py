@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import signal
 import threading
@@ -300,6 +301,36 @@ def test_new_sessions_spread_over_the_workers():
             made = [engine.sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"] for _ in range(8)]
             workers = [engine.sessions.table.sessions[sid].worker for sid in made]
             assert sorted(workers) == [0, 0, 0, 0, 1, 1, 1, 1]
+        finally:
+            await engine.drain()
+
+    asyncio.run(main())
+
+
+def test_sessions_held_per_worker_follow_creates_and_ends():
+    """The table's count of each worker's sessions (what a create picks its worker by, and the
+    sessions gauge) follows creations, DELETE and a step's ``end``: after three of worker 0's
+    sessions end, the next three new ones go to worker 0."""
+    from service.sessions import SessionStep
+
+    async def main():
+        engine = Engine(cpu_settings(device="cpu,cpu"))
+        await engine.start()
+        sessions = engine.sessions
+        try:
+            made = [sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"] for _ in range(8)]
+            on0 = [sid for sid in made if sessions.table.sessions[sid].worker == 0]
+            await sessions.delete(on0[0])
+            await sessions.delete(on0[1])
+            q = torch.randn(1, 2, 1, 16)
+            await sessions.step(SessionStep.single(on0[2], q, q, q, end=True))
+            assert dict(sessions.table.per_worker) == {0: 1, 1: 4}
+            again = [sessions.create(num_kv_heads=2, head_dim=16, dtype="float32")["session"] for _ in range(3)]
+            assert [sessions.table.sessions[sid].worker for sid in again] == [0, 0, 0]
+            counted = collections.Counter(s.worker for s in sessions.table.sessions.values())
+            assert dict(sessions.table.per_worker) == dict(counted) == {0: 4, 1: 4}
+            gauge = {s.labels["device"]: s.value for m in engine.metrics.sessions.collect() for s in m.samples}
+            assert gauge == {"cpu-0": 4, "cpu-1": 4}, gauge
         finally:
             await engine.drain()
 
