@@ -246,7 +246,9 @@ def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence
     (better tail balance; the order changes no bits). This runs on every call whose lengths are new
     (a decode step's are, each step): a plan of at most ``SMALL_PLAN_ITEMS`` items is listed in
     plain Python, a larger one (a step of many long sequences has hundreds of split items) with
-    numpy over every item at once; both give the same plan."""
+    numpy over every item at once; both give the same plan. A step of more than
+    ``SMALL_PLAN_SEQS`` sequences that all decode takes the plan of an earlier step with the same
+    rows, tiles and splits and writes its key counts into it (``_decode_template``)."""
     gluon = gluon_plans(d, dtype, device, interpret)
     cfgs = tuple(kernel_config(c, d, dtype, interpret, gluon) for c in CLASSES)
     block_ms = tuple(c.block_m for c in cfgs)
@@ -256,8 +258,15 @@ def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence
     if len(nq_l) != len(nk_l):
         raise ValueError(f"{len(nq_l)} query lengths but {len(nk_l)} key lengths")
     if len(nq_l) > SMALL_PLAN_SEQS:
-        arrays = sequence_plans(np.asarray(nq_l, dtype=np.int64), np.asarray(nk_l, dtype=np.int64), hq, hkv,
-                                block_ms, sms)
+        nk_a = np.asarray(nk_l, dtype=np.int64)
+        arrays = sequence_plans(np.asarray(nq_l, dtype=np.int64), nk_a, hq, hkv, block_ms, sms)
+        if k_starts is None and not arrays[0].any() and min(nq_l) > 0:  # every sequence decodes
+            cls, tiles, splits, kps = arrays
+            template = _decode_template(tuple(nq_l), tiles.tobytes(), splits.tobytes(),
+                                        np.where(splits > 1, kps, 0).tobytes(), block_ms)
+            flat = template.flat.copy()
+            flat[template.at] = nk_a[template.seq]
+            return PlanLayout(flat, template.shapes, template.part_rows, cfgs)
         small = int((arrays[1] * arrays[2]).sum()) <= SMALL_PLAN_ITEMS
         plans = list(zip(*(a.tolist() for a in arrays), strict=True)) if small else None
     else:
@@ -270,6 +279,44 @@ def plan_layout(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence
     else:
         flat, shapes, part_rows = _numpy_plan(nq_l, nk_l, k_starts, arrays, block_ms, causal)
     return PlanLayout(flat, tuple(tuple(int(x) for x in sh) for sh in shapes), part_rows, cfgs)
+
+
+@dataclass(frozen=True)
+class _Template:
+    """The plan of decode sequences of given row counts, tiles and key splits, whatever their key
+    counts: each key count ``nk[s]`` goes at the ``flat`` positions ``at`` where ``seq == s``."""
+
+    flat: np.ndarray
+    shapes: tuple[tuple[int, int], ...]
+    part_rows: int
+    at: np.ndarray
+    seq: np.ndarray
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_template(nq: tuple[int, ...], tiles_b: bytes, splits_b: bytes, kps_b: bytes,
+                     block_ms: tuple[int, ...]) -> _Template:
+    """``plan_layout`` of decode sequences (none empty, keys from 0), less their key counts, which
+    enter it in two places only: a sequence's row (q0, n_q, 0, n_k) and the end (k1) of each of its
+    row tiles' last split; every other value follows from n_q, the tiles, the splits and the keys a
+    split (the splits of a sequence end at multiples of that, its last at n_k). A decode step repeats
+    these for many steps as its sequences grow: only the key counts are written."""
+    tiles = np.frombuffer(tiles_b, dtype=np.int64)
+    splits = np.frombuffer(splits_b, dtype=np.int64)
+    kps = np.frombuffer(kps_b, dtype=np.int64)
+    n_seq = len(nq)
+    nk = np.where(splits > 1, splits * kps, 1)  # key counts with these plans (a split's last ends at n_k)
+    plans = (np.zeros(n_seq, np.int64), tiles, splits, np.where(splits > 1, kps, nk))
+    flat, shapes, part_rows = _numpy_plan(list(nq), nk.tolist(), None, plans, block_ms, False)
+    per = tiles * splits  # work items of each sequence: its tiles by its splits, split fastest
+    s_of = np.repeat(np.arange(n_seq), per)
+    j = (np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)) % splits[s_of]
+    last = np.flatnonzero(j == splits[s_of] - 1)
+    rows_at = 4 * n_seq  # the sequences' rows come first, then the decode items (5 values each)
+    at = np.concatenate([4 * np.arange(n_seq) + 3, rows_at + 5 * last + 3])
+    seq = np.concatenate([np.arange(n_seq), s_of[last]])
+    return _Template(np.asarray(flat, dtype=np.int32), tuple(tuple(int(x) for x in sh) for sh in shapes),
+                     part_rows, at, seq)
 
 
 def build_plan(q_lens: Sequence[int], k_lens: Sequence[int], k_starts: Sequence[int] | None,

@@ -96,3 +96,28 @@ def test_sequence_plans_is_sequence_plan_at_once(heads, sms):
     for i, (n_q, n_k) in enumerate(grid):
         want = ragged.sequence_plan(n_q, n_k, hq, hkv, block_ms, sms) if n_q else (1, 0, 1, 0)
         assert tuple(int(a[i]) for a in got) == want, (n_q, n_k)
+
+
+@pytest.mark.parametrize("sms", [16, 132])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)])
+def test_decode_steps_reuse_a_template_and_equal_the_loop(sms, heads, monkeypatch):
+    """A decode step of many growing sequences writes its key counts into the plan of the step
+    before (``_decode_template``): step after step, across split, quantum and no-split bounds and
+    with rows of 1 to 8 a sequence, the plan equals the loop's, and later steps reuse the template."""
+    monkeypatch.setattr(ragged, "num_sms", lambda device: sms)
+    hq, hkv = heads
+    rng = random.Random(1)
+    n = 40
+    q_lens = [rng.choice([1, 1, 2, 8]) if hq // hkv <= 8 else 1 for _ in range(n)]
+    k_lens = [rng.choice([1, 200, 255, 511, 512, 767, 4095, 16383, 70000]) + q for q in q_lens]
+    ragged._decode_template.cache_clear()
+    for _ in range(12):
+        plan = ragged.build_plan(q_lens, k_lens, None, hq, hkv, 128, torch.bfloat16, torch.device("cpu"), False, False)
+        want = plan_by_loop(q_lens, k_lens, None, hq, hkv, 128, torch.bfloat16, False, sms)
+        for name, got, exp in zip(("seq", "decode", "prefill", "chunk", "merge"),
+                                  (plan.seq, plan.decode, plan.prefill, plan.chunk, plan.merge), want[:5], strict=True):
+            assert np.array_equal(got.numpy(), exp), (name, k_lens)
+        assert plan.part_rows == want[5]
+        k_lens = [k + rng.choice([1, 1, 2]) for k in k_lens]
+    info = ragged._decode_template.cache_info()
+    assert info.hits >= 6 and info.misses >= 1, info
