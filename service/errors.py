@@ -90,6 +90,13 @@ class InsufficientStorage(ServiceError):
     http_status, grpc_code, code = 507, "RESOURCE_EXHAUSTED", "insufficient_storage"
 
 
+class Unsupported(ServiceError):
+    """A feature of a protocol the service speaks that it does not implement (Triton's shared
+    memory, statistics, repository, trace and logging extensions)."""
+
+    http_status, grpc_code, code = 501, "UNIMPLEMENTED", "unsupported"
+
+
 class Unauthenticated(ServiceError):
     http_status, grpc_code, code = 401, "UNAUTHENTICATED", "unauthenticated"
 

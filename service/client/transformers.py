@@ -75,10 +75,16 @@ def check_supported(config: Any) -> None:
     if getattr(config, "attention_chunk_size", None) is not None:
         raise NotImplementedError("attnserve sessions serve full or sliding-window attention only; this config "
                                   f"sets attention_chunk_size={config.attention_chunk_size}")
+    layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
+    if window == 0 and type(window) is int and "sliding_attention" not in layer_types:
+        window = None  # (Qwen2-MoE writes 0 for "no sliding window": every layer attends in full)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise NotImplementedError(f"attnserve needs sliding_window to be a positive int; this config sets {window!r}")
-    layer_types = getattr(config, "layer_types", None) or []
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared:
+        raise NotImplementedError(f"attnserve sessions keep each layer's own keys and values; this config's last "
+                                  f"{shared} layers reuse earlier layers' (num_kv_shared_layers, Gemma 3n)")
     other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if other:
         raise NotImplementedError("attnserve sessions serve full or sliding-window attention only; this config "
@@ -191,7 +197,10 @@ class SessionCache(Cache):
             dtype = getattr(model_or_config, "dtype", None) if hasattr(model_or_config, "config") else None
             dtype = dtype or getattr(text, "dtype", None) or torch.float32  # (torch_dtype: a deprecated alias)
         if isinstance(dtype, str):
-            dtype = getattr(torch, dtype_name(dtype))
+            dtype = getattr(torch, dtype_name(dtype), dtype)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise NotImplementedError(f"attnserve sessions hold float16, bfloat16 or float32 keys, not {dtype}: "
+                                      "cast the model (e.g. model.float()) or pass dtype=")
         self.client = client
         self.dtype: torch.dtype = dtype
         self.num_layers = text.num_hidden_layers

@@ -8,6 +8,7 @@ interceptor in ``server`` does, for every rpc); a stream that answers a failed c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -38,9 +39,18 @@ def error_status(exc: Exception) -> ErrorStatus:
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """End the call with ``exc``'s status; trailers ``attnserve-error-code`` and ``retry-after``."""
+    """End the call with ``exc``'s status; trailers ``attnserve-error-code`` and ``retry-after``.
+    A call that ended meanwhile (its deadline passed, its client went away) ends as cancelled: its
+    status has nowhere to go, and grpc would log the failed send with a stack trace."""
     err = error_status(exc)
     trailers = [("attnserve-error-code", err.code)]
     if err.retry_after_s is not None:
         trailers.append(("retry-after", f"{err.retry_after_s:g}"))
-    await context.abort(err.status, err.message, trailing_metadata=tuple(trailers))
+    try:
+        await context.abort(err.status, err.message, trailing_metadata=tuple(trailers))
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # grpc's ExecuteBatchError: the core refused to send to a call that is over
+        if not (context.cancelled() or context.done() or context.time_remaining() == 0):
+            raise
+        raise asyncio.CancelledError from None

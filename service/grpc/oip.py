@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import torch
 
 from service.errors import BadRequest, NotFound
@@ -54,6 +55,8 @@ def _parameters(params) -> dict[str, Any]:
 
 def _inputs(request, model: oip.Model) -> dict[str, torch.Tensor]:
     """name -> tensor, from raw_input_contents (one per input) or typed contents."""
+    for inp in request.inputs:  # (an input in shared memory has no raw contents: said first)
+        oip.check_tensor_parameters(f"input {inp.name!r}", inp.parameters)
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise BadRequest(f"raw_input_contents holds {len(raw)} buffers for {len(request.inputs)} inputs; "
@@ -82,6 +85,8 @@ def _inputs(request, model: oip.Model) -> dict[str, torch.Tensor]:
 
 
 def _decode(request, model: oip.Model, deadline: float | None) -> oip.Call:
+    for o in request.outputs:
+        oip.check_tensor_parameters(f"output {o.name!r}", o.parameters)
     requested = [o.name for o in request.outputs]
     return oip.build_call(model, _inputs(request, model), _parameters(request.parameters), requested,
                           request_id=oip.call_id(request.id), deadline=deadline)
@@ -177,5 +182,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             yield response
 
 
+# Triton's rpcs of the extensions the server lacks: UNIMPLEMENTED saying which (grpc's own answer to
+# a method it does not know is a bare "Method not found!")
+TRITON_EXTENSIONS = {
+    "ModelConfig": "model configuration over gRPC (HTTP serves it: GET /v2/models/{model}/config)",
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model repository", "RepositoryModelLoad": "model repository",
+    "RepositoryModelUnload": "model repository",
+    "SystemSharedMemoryStatus": "system shared memory", "SystemSharedMemoryRegister": "system shared memory",
+    "SystemSharedMemoryUnregister": "system shared memory",
+    "CudaSharedMemoryStatus": "CUDA shared memory", "CudaSharedMemoryRegister": "CUDA shared memory",
+    "CudaSharedMemoryUnregister": "CUDA shared memory",
+    "TraceSetting": "trace", "LogSettings": "logging",
+}
+
+
+class _Extensions(grpc.GenericRpcHandler):
+    """Every other method of GRPCInferenceService: refused as ``oip.unsupported_extension``."""
+
+    def service(self, details: grpc.HandlerCallDetails):
+        service, _, method = details.method.lstrip("/").partition("/")
+        if service != SERVICE_NAME:
+            return None
+        feature = TRITON_EXTENSIONS.get(method, f"{method!r} rpc")
+
+        async def refuse(request, context):
+            raise oip.unsupported_extension(feature)
+
+        return grpc.unary_unary_rpc_method_handler(refuse)  # (the request is never parsed)
+
+
 def add_to_server(engine, server) -> None:
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(engine), server)
+    server.add_generic_rpc_handlers((_Extensions(),))

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,11 +36,29 @@ MAX_JSON_ELEMENTS = 1 << 27  # numbers in one JSON tensor
 INT_TENSORS = ("kv_lengths", "positions")  # nested lists of these are integers
 
 
-def parse_json(body: bytes | bytearray | memoryview) -> Any:
+def parse_json(body: bytes | bytearray | memoryview, nonfinite: bool = False) -> Any:
+    """The JSON document of ``body``; with ``nonfinite``, numbers may also be written ``NaN``,
+    ``Infinity`` and ``-Infinity`` (as Triton's clients write a non-finite number: the Open
+    Inference Protocol's JSON data). A number past float64's range is refused either way."""
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if nonfinite and _NONFINITE.search(body):
+            try:  # (the standard library reads those names; orjson does not)
+                return json.loads(bytes(body), parse_float=_finite_float)
+            except (ValueError, RecursionError) as exc2:
+                raise BadRequest(f"the body is not valid JSON: {exc2}") from None
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
+
+
+_NONFINITE = re.compile(rb"NaN|Infinity")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if math.isinf(x):
+        raise ValueError(f"the number {text[:40]} is past float64's range")
+    return x
 
 
 def _nested_shape(value: Any, name: str) -> list[int]:
@@ -116,13 +137,17 @@ def flat_tensor(data: Any, shape: list[int], dtype: torch.dtype, name: str) -> t
 def _list_to_tensor(data: list, name: str, dtype: torch.dtype) -> torch.Tensor:
     """Nested list -> tensor of ``dtype``. Integer tensors take integers only, within ``dtype``'s
     range (no silent truncation of 1.5 or wrap-around of 2**40 into int32); a float past the
-    float dtype's largest finite value is refused, not turned into inf (JSON has no inf)."""
+    float dtype's largest finite value is refused, not turned into inf (an infinity comes only as
+    OIP JSON's ``Infinity``, ``parse_json(nonfinite=True)``)."""
     check_numbers(data, name)  # torch would take true/false as 1/0
     try:
         if dtype.is_floating_point:
             t = torch.tensor(data, dtype=torch.float32).to(dtype)
-            if bool(torch.isinf(t).any()):
-                at = "".join(f"[{i}]" for i in torch.isinf(t).nonzero()[0].tolist())
+            over = torch.isinf(t)
+            if bool(over.any()):  # (an infinity sent as one, OIP's -Infinity, stays one)
+                over &= torch.isfinite(torch.tensor(data, dtype=torch.float64)).reshape(over.shape)
+            if bool(over.any()):
+                at = "".join(f"[{i}]" for i in over.nonzero()[0].tolist())
                 raise BadRequest(f"{name}{at}: a number past the range of {DTYPE_NAMES.get(dtype, dtype)} (largest "
                                  f"finite {torch.finfo(dtype).max:g}); scale it down or send a wider dtype")
             return t

@@ -9,6 +9,7 @@ Framing only: models, parameters, outputs and messages are ``service.wire.oip``'
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -50,7 +51,7 @@ def _split_body(data: bytearray, header_length: str | None, json_limit: int) -> 
             f"the JSON part of the request is {size_text(n)}, over the limit of {size_text(json_limit)} "
             "(--max-json-mb); send large tensors as binary tensor data"
         )
-    doc = parse_json(view[:n])
+    doc = parse_json(view[:n], nonfinite=True)
     if not isinstance(doc, dict):
         raise BadRequest('the inference request must be a JSON object with "inputs"')
     return doc, view[n:]
@@ -75,6 +76,7 @@ def _inputs(doc: dict, binary: memoryview, model: oip.Model) -> dict[str, torch.
             raise BadRequest('each input needs a "name", a "shape" and a "datatype"')
         name = oip.check_input_name(model, item.get("name"), tensors)
         params = _object(item.get("parameters"), f"input {name!r}: parameters")
+        oip.check_tensor_parameters(f"input {name!r}", params)
         if "binary_data_size" in params:
             if "data" in item:
                 raise BadRequest(f"input {name!r} has both data and binary_data_size; send one of them")
@@ -113,6 +115,7 @@ def _requested(doc: dict, all_binary: bool) -> dict[str, bool] | None:
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
             raise BadRequest("each output needs a \"name\"")
         p = _object(out.get("parameters"), "output parameters")
+        oip.check_tensor_parameters(f"output {out['name']!r}", p)
         wanted[out["name"]] = parse_bool("binary_data", p.get("binary_data", all_binary), "parameter")
     return wanted
 
@@ -139,19 +142,27 @@ def encode_response(
     """(body, headers): JSON, followed by the binary outputs when any is asked for as binary (then
     as buffers to send in turn: the JSON header, each output's own bytes)."""
     entries, blobs = [], []
+    finite = True
     for name, t in outputs.items():
         t = t.detach().to("cpu").contiguous()
         entry: dict[str, Any] = {"name": name, "datatype": OIP_NAMES[t.dtype], "shape": list(t.shape)}
         if wanted[name]:
             entry["parameters"] = {"binary_data_size": t.numel() * t.element_size()}
             blobs.append(t)
-        else:  # JSON numbers (BF16 too); -inf/nan become null
+        else:  # JSON numbers (BF16 too)
             entry["data"] = (t.float() if t.dtype.is_floating_point else t).reshape(-1).numpy()
+            finite = finite and (not t.dtype.is_floating_point or bool(torch.isfinite(t).all()))
         entries.append(entry)
     resp: dict[str, Any] = {"model_name": model, "model_version": oip.VERSION, "outputs": entries}
     if "id" in doc:
         resp["id"] = doc["id"]
-    head = orjson.dumps(resp, option=orjson.OPT_SERIALIZE_NUMPY)
+    if finite:
+        head = orjson.dumps(resp, option=orjson.OPT_SERIALIZE_NUMPY)
+    else:  # NaN, Infinity, -Infinity as Triton writes them (orjson would write null, read back as NaN)
+        for entry in entries:
+            if "data" in entry:
+                entry["data"] = entry["data"].tolist()
+        head = json.dumps(resp, separators=(",", ":"), allow_nan=True).encode()
     if not blobs:
         return head, {"content-type": "application/json"}
     return tensor_parts(head, blobs), {  # the tensors' bytes are sent from their own memory
@@ -161,6 +172,15 @@ def encode_response(
 
 
 # ---------------------------------------------------------------- routes
+
+
+def _refusal(feature: str):
+    """A route's endpoint refusing Triton's ``feature`` extension (501)."""
+
+    async def unsupported() -> None:
+        raise oip.unsupported_extension(feature)
+
+    return unsupported
 
 
 def create_router(engine: Any, settings: Settings) -> APIRouter:
@@ -185,6 +205,22 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     async def server_ready() -> dict:
         ready()
         return {"ready": True}
+
+    # Triton's extensions the server lacks: a 501 that says so, not a 404 "no route" (and "stats"
+    # is no model: these come before /models/{model})
+    for path, feature, methods in (
+        ("/models/stats", "statistics", ["GET"]),
+        ("/models/{model}/stats", "statistics", ["GET"]),
+        ("/models/{model}/versions/{version}/stats", "statistics", ["GET"]),
+        ("/repository/index", "model repository", ["POST"]),
+        ("/repository/models/{model}/{action}", "model repository", ["POST"]),
+        ("/trace/setting", "trace", ["GET", "POST"]),
+        ("/models/{model}/trace/setting", "trace", ["GET", "POST"]),
+        ("/logging", "logging", ["GET", "POST"]),
+        ("/systemsharedmemory/{rest:path}", "system shared memory", ["GET", "POST"]),
+        ("/cudasharedmemory/{rest:path}", "CUDA shared memory", ["GET", "POST"]),
+    ):
+        router.add_api_route(path, _refusal(feature), methods=methods, include_in_schema=False)
 
     @router.get("/models/{model}", summary="model metadata")
     @router.get("/models/{model}/versions/{version}", include_in_schema=False)

@@ -36,7 +36,7 @@ import torch
 
 from service import __version__
 from service.core.types import AttentionRequest, LayerRequest, new_request_id
-from service.errors import BadRequest, NotFound
+from service.errors import BadRequest, NotFound, Unsupported
 from service.sessions import SessionStep
 from service.wire.options import int_text, parse_bool, parse_options
 from service.wire.tensors import (
@@ -254,12 +254,15 @@ def build_call(
     arrived: float | None = None,
 ) -> Call:
     """(model, named inputs, parameters, outputs asked for) -> the internal request and its outputs."""
-    sequence = sequence_id(parameters.get("sequence_id")) if model.is_attention else None
+    sequence = sequence_id(parameters.get("sequence_id"))
+    flags = [n for n in ("sequence_start", "sequence_end") if parameters.get(n) not in (None, False, 0, "", "false")]
+    if not model.is_attention and (sequence is not None or flags):  # (served as a plain call, it would look kept)
+        raise BadRequest(f"model {model.name!r} is a layer, which keeps no sequence: sequence_id and its flags "
+                         "are for the 'attention' model's sessions")
     if sequence is not None:
         return sequence_call(model, sequence, tensors, parameters, requested, request_id=request_id,
                              deadline=deadline, arrived=arrived)
-    flags = [n for n in ("sequence_start", "sequence_end") if parameters.get(n) not in (None, False, 0, "", "false")]
-    if flags and model.is_attention:  # a start or end of no sequence: not a plain call in disguise
+    if flags:  # a start or end of no sequence: not a plain call in disguise
         raise BadRequest(f"parameter {flags[0]!r} needs a sequence_id (an integer other than 0, or a "
                          "non-empty string)")
     missing = [t.name for t in model.inputs if not t.optional and t.name not in tensors]
@@ -281,6 +284,31 @@ def build_call(
                                alibi_slopes=tensors.get("alibi_slopes"), request_id=request_id,
                                deadline=deadline, arrived=arrived, **opts)  # fmt: skip
     return Call(model, request, outputs)
+
+
+# Triton's request parameters of extensions the server does not implement: refused, not ignored
+# (a client that asked for shared memory would read its region, which nothing wrote)
+UNSUPPORTED_TENSOR_PARAMETERS = {
+    "shared_memory_region": "shared memory", "shared_memory_byte_size": "shared memory",
+    "shared_memory_offset": "shared memory", "classification": "classification",
+}
+
+
+def check_tensor_parameters(where: str, parameters: Mapping[str, Any]) -> None:
+    """501 for an input's or output's parameter of a Triton extension the server lacks."""
+    for name, feature in UNSUPPORTED_TENSOR_PARAMETERS.items():
+        if name in parameters:
+            raise Unsupported(f"{where}: parameter {name!r} asks for Triton's {feature} extension, which attnserve "
+                              f"does not implement; send the tensor's data in the request (or read it from the "
+                              f"response) as JSON or binary data")
+
+
+def unsupported_extension(feature: str) -> Unsupported:
+    """The refusal of a Triton extension's route or rpc (statistics, repository, shared memory,
+    trace, logging): what the server serves instead."""
+    return Unsupported(f"attnserve does not implement Triton's {feature} extension; it serves the Open "
+                       f"Inference Protocol's health, metadata and infer calls, Triton's model config, "
+                       f"binary tensor data and sequences (its metrics: GET /metrics)")
 
 
 def sequence_id(value: Any) -> str | None:

@@ -201,12 +201,33 @@ def test_unsupported_cases_raise_and_leave_no_session(models, server, http):
     assert session_count(server) == 0
     for bad, match in ((dict(attention_chunk_size=4), "attention_chunk_size"), (dict(is_causal=False), "causal"),
                        (dict(layer_types=["full_attention", "chunked_attention"]), "layer types"),
-                       (dict(sliding_window=0), "sliding_window")):
+                       (dict(sliding_window=-3), "sliding_window"),
+                       (dict(sliding_window=0, layer_types=["full_attention", "sliding_attention"]), "sliding_window"),
+                       (dict(num_kv_shared_layers=1), "num_kv_shared_layers")):
         config = llama_config()
         for name, value in bad.items():
             setattr(config, name, value)
         with pytest.raises(NotImplementedError, match=match):
             SessionCache(http, config)
+    with pytest.raises(NotImplementedError, match=r"not torch.float64: cast the model"):
+        SessionCache(http, LlamaForCausalLM(llama_config()).double())
+    assert session_count(server) == 0
+
+
+def test_a_config_writing_0_for_no_sliding_window_is_served(server, http):
+    """Qwen2-MoE writes sliding_window 0 when its sliding window is off (every layer full): served,
+    greedy tokens equal to the local model's."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, use_sliding_window=False)
+    assert config.sliding_window == 0
+    local, served = twin(Qwen2MoeForCausalLM, config)
+    ids = prompt(9, seed=12)[None]
+    want = generate(local, ids)
+    with SessionCache(http, served, batch_size=1) as cache:
+        got = generate(served, ids, cache=cache)
+    assert torch.equal(got, want), (got, want)
     assert session_count(server) == 0
 
 

@@ -341,3 +341,63 @@ def test_one_request_from_each_form(parameters):
     req = call.request
     assert (req.causal, req.scale, req.return_lse, req.kernel, call.outputs) == \
         (True, 0.5, True, "reference", ("o", "lse"))
+
+
+TRITON_EXTENSION_CALLS = [  # tritonclient's calls of Triton's extensions the server lacks (same names on both)
+    ("get_inference_statistics", ()), ("get_inference_statistics", ("attention",)),
+    ("get_model_repository_index", ()), ("load_model", ("attention",)), ("unload_model", ("attention",)),
+    ("get_system_shared_memory_status", ()), ("register_system_shared_memory", ("r0", "/attnserve-test", 64)),
+    ("unregister_system_shared_memory", ()), ("get_cuda_shared_memory_status", ()),
+    ("get_trace_settings", ()), ("get_log_settings", ()),
+]
+
+
+def test_triton_extensions_the_server_lacks_say_so(http_client, client):
+    """Statistics, the model repository, shared memory, trace and logging: 501 over HTTP and
+    UNIMPLEMENTED over gRPC, each saying that attnserve does not implement that extension (not a
+    404 'no route', an 'unknown model stats' or grpc's bare 'Method not found!'). gRPC's
+    ModelConfig points to HTTP's, which answers."""
+    for c, status in ((http_client, "501"), (client, "StatusCode.UNIMPLEMENTED")):
+        for name, args in TRITON_EXTENSION_CALLS:
+            with pytest.raises(InferenceServerException) as err:
+                getattr(c, name)(*args, headers=dict(HEADERS))
+            assert err.value.status() == status, (name, err.value)
+            assert "attnserve does not implement Triton's" in err.value.message(), (name, err.value)
+    with pytest.raises(InferenceServerException, match="HTTP serves it") as err:
+        client.get_model_config("attention", headers=dict(HEADERS))
+    assert err.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert http_client.get_model_config("attention", headers=dict(HEADERS))["name"] == "attention"
+
+
+def test_parameters_of_missing_extensions_are_refused(http_client, client, layer_dir):
+    """An output asked for in shared memory or as a classification, and an input in shared memory,
+    are refused (501 / UNIMPLEMENTED, naming the parameter), not served as if asked for nothing
+    special; sequence parameters sent to a layer model are a 400 (it keeps no sequence), alike over
+    both transports."""
+    q, k, v = make_qkv((1, 2, 2, 4, 4, 16), torch.float32, seed=8)
+    ways = ((http_client, http_input, th.InferRequestedOutput, "501"),
+            (client, infer_input, tg.InferRequestedOutput, "StatusCode.UNIMPLEMENTED"))
+    for c, make_input, requested, status in ways:
+        shm, classes = requested("o"), requested("o", class_count=2)
+        shm.set_shared_memory("out0", 256)
+        for out, what in ((shm, "'shared_memory_region' asks for Triton's shared memory"),
+                          (classes, "'classification' asks for Triton's classification")):
+            with pytest.raises(InferenceServerException) as err:
+                c.infer("attention", [make_input(n, t) for n, t in (("q", q), ("k", k), ("v", v))], outputs=[out],
+                        headers=dict(HEADERS))
+            assert err.value.status() == status and what in err.value.message(), err.value
+        ins = [make_input(n, t) for n, t in (("q", q), ("k", k), ("v", v))]
+        ins[0].set_shared_memory("in0", q.numel() * 4)
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("attention", ins, headers=dict(HEADERS))
+        assert err.value.status() == status and "input 'q'" in err.value.message(), err.value
+    x = torch.randn(1, 2, 40)
+    for sequence in (dict(sequence_id=7), dict(sequence_id="s", sequence_start=True)):
+        messages = []
+        for c, make_input, status in ((http_client, http_input, "400"), (client, infer_input,
+                                                                           "StatusCode.INVALID_ARGUMENT")):
+            with pytest.raises(InferenceServerException) as err:
+                c.infer("bert0", [make_input("x", x)], headers=dict(HEADERS), **sequence)
+            assert err.value.status() == status and "keeps no sequence" in err.value.message(), err.value
+            messages.append(err.value.message())
+        assert messages[0] == messages[1]

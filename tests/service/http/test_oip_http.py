@@ -322,3 +322,39 @@ def test_tritonclient_binary_body_over_a_mebibyte(client):
     result = client.infer("attention", inputs({"q": q, "k": k, "v": v}, True),
                           outputs=[triton.InferRequestedOutput("o", binary_data=True)])
     assert_matches(from_numpy(result.as_numpy("o")), q, k, v)
+
+
+def test_non_finite_numbers_in_json_as_triton_writes_them(client, server):
+    """JSON data carries NaN, Infinity and -Infinity as Triton writes them, both ways: the lse of a
+    row that sees no key is -inf (not null, which tritonclient reads as NaN), an inf in v reaches o
+    as inf, and tritonclient's own JSON with those names in an input is read. A number past
+    float64's range, or past the input's datatype, is still a 400."""
+    import json
+
+    import httpx
+
+    q, k, v = make((1, 2, 2, 3, 5, 8), torch.float32)
+    v[0, 0, 1, 0] = torch.inf
+    q[0, 1, 0, 0] = torch.nan  # its row of o is NaN
+    kv_lengths = torch.tensor([5], dtype=torch.int32)
+    outs = [triton.InferRequestedOutput("o", binary_data=False), triton.InferRequestedOutput("lse", binary_data=False)]
+    got = {}
+    for binary in (True, False):  # the same answer over binary data and JSON
+        result = client.infer("attention", inputs({"q": q, "k": k, "v": v, "kv_lengths": kv_lengths}, binary),
+                              outputs=outs)
+        got[binary] = (from_numpy(result.as_numpy("o")), from_numpy(result.as_numpy("lse")))
+    assert torch.equal(got[True][0].isnan(), got[False][0].isnan()) and got[False][0].isinf().any()
+    assert torch.equal(got[True][0].nan_to_num(), got[False][0].nan_to_num())
+    keyless = {"q": q, "k": k, "v": v, "kv_lengths": torch.tensor([0], dtype=torch.int32)}
+    none = client.infer("attention", inputs(keyless, True), outputs=outs)
+    assert torch.all(from_numpy(none.as_numpy("lse")) == -torch.inf)
+    raw = httpx.post(server.url + "/v2/models/attention/infer", content=json.dumps({"inputs": [
+        {"name": n, "shape": list(t.shape), "datatype": "FP32", "data": t.reshape(-1).tolist()}
+        for n, t in (("q", q), ("k", k), ("v", v))
+    ], "parameters": {"return_lse": True}}).replace("Infinity", "1e400"))
+    assert raw.status_code == 400 and "past float64's range" in raw.json()["error"], raw.text
+    big = json.dumps({"inputs": [
+        {"name": n, "shape": list(t.shape), "datatype": "FP16", "data": [1e6] + t.reshape(-1).tolist()[1:]}
+        for n, t in (("q", q), ("k", k), ("v", v))]})
+    raw = httpx.post(server.url + "/v2/models/attention/infer", content=big)
+    assert raw.status_code == 400 and "past the range of float16" in raw.json()["error"], raw.text
