@@ -42,6 +42,17 @@ def merge_options(allowed: tuple[str, ...], *sources: Mapping[str, Any]) -> dict
     return merged
 
 
+def query_options(query: Mapping[str, str]) -> dict[str, str]:
+    """A query string's options; a name given twice is a 400 (which one was meant is a guess)."""
+    items = query.multi_items() if hasattr(query, "multi_items") else query.items()
+    out: dict[str, str] = {}
+    for name, value in items:
+        if name in out:
+            raise BadRequest(f"option {name!r} is given twice in the query string; give it once")
+        out[name] = value
+    return out
+
+
 def _require(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> None:
     missing = [n for n in names if n not in tensors]
     if missing:
@@ -56,7 +67,7 @@ def decode_tensors(
     query: Mapping[str, str],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
     """Body + query string -> (tensors, merged raw options (query wins), response encoding)."""
-    q_opts = merge_options(options, dict(query))
+    q_opts = merge_options(options, query_options(query))
     if mtype == SAFETENSORS:
         tensors, metadata = parse_safetensors(body)
         unknown = set(tensors) - set(tensor_names)

@@ -55,7 +55,11 @@ def step_options(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def _session_ids(value: Any) -> list[str]:
     if isinstance(value, str):
-        return [s.strip() for s in value.split(",") if s.strip()]
+        ids = [s.strip() for s in value.split(",")]
+        if "" in ids:
+            raise BadRequest(f"'sessions' holds an empty id (position {ids.index('')}, zero-based): give "
+                             "comma-separated ids, each once")
+        return ids
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
     raise BadRequest("'sessions' must be a list of session ids (in safetensors metadata or a query string: "
@@ -86,7 +90,7 @@ def decode_packed(body: bytearray, mtype: str, query: Mapping[str, str], **ids: 
         tensors, body_opts, encoding = codec.json_tensors(doc, STEP_TENSORS, STEP_OPTIONS)
         if sessions is not None:
             body_opts["sessions"] = sessions
-        raw = codec.merge_options(PACKED_OPTIONS, body_opts, dict(query))
+        raw = codec.merge_options(PACKED_OPTIONS, body_opts, codec.query_options(query))
         if isinstance(lengths, dict):
             lengths = json_tensor(lengths, "q_lengths", torch.int64)[0]
     else:

@@ -124,7 +124,7 @@ def load_bert(name, config, model_type, index, store, where):
 
 def load_llama(name, config, model_type, index, store, where):
     hidden, heads, kv_heads, head_dim = _heads(config, where, llama=True)
-    rope = _rope(config, head_dim, where)
+    rope = _rope(config, model_type, head_dim, where)
     stem = f"layers.{index}.self_attn."
     prefix = store.prefix(stem + "q_proj.weight", ("", "model.", f"{model_type}."))
     stem = prefix + stem
@@ -139,7 +139,7 @@ def load_llama(name, config, model_type, index, store, where):
     }
     biased = _llama_biases(config, model_type, where)
     names = {field: entry for field, entry in names.items() if not field.endswith("_bias") or field in biased}
-    weights = Weights(**store.read(names, optional=biased))
+    weights = Weights(**store.read(names, optional=()))  # (a bias the module has is no option)
     info = LayerInfo(name, "llama", hidden, heads, kv_heads, head_dim, weights.q.dtype)
     return info, weights, rope
 
@@ -158,8 +158,10 @@ def _llama_biases(config: dict[str, Any], model_type: str, where: str) -> tuple[
 
 
 def sliding_window(config: dict[str, Any], model_type: str, index: int, where: str = "config.json") -> int | None:
-    """This layer's attention window as HF computes it, or None for full attention."""
-    window = config.get("sliding_window")
+    """This layer's attention window as HF computes it, or None for full attention. A config.json
+    without the key takes the config class's default, as transformers does (4096 for Mistral, and
+    for Qwen2 with use_sliding_window; none for Mixtral)."""
+    window = config.get("sliding_window", DEFAULT_WINDOW.get(model_type))
     if not window:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -177,43 +179,63 @@ def sliding_window(config: dict[str, Any], model_type: str, index: int, where: s
     return int(window) if active else None
 
 
-def _rope(config: dict[str, Any], head_dim: int, where: str) -> Rope:
-    """inv_freq of HF's plain RoPE, and of its "linear" and "llama3" rope_scaling types."""
+# transformers' config classes' default sliding_window, where a config.json gives no such key
+DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096}
+# transformers' default rope_theta per model type, where a config.json gives none (its config classes')
+DEFAULT_THETA = {"mixtral": 1e6}
+
+
+def _rope(config: dict[str, Any], model_type: str, head_dim: int, where: str) -> Rope:
+    """inv_freq of HF's plain RoPE, and of its "linear" and "llama3" rope_scaling types, as
+    transformers resolves a config.json (``PreTrainedConfig.convert_rope_params_to_dict``): the
+    RoPE parameters are ``rope_scaling`` when it is given, else ``rope_parameters``; theta is theirs,
+    else the top-level ``rope_theta``, else the model type's default. inv_freq is computed in
+    float32, as transformers computes it: the float64 values, rounded once, differ by an ulp, and
+    at long positions so do the angles."""
     params = config.get("rope_parameters")  # newer HF configs keep theta and the scaling together here
     legacy = config.get("rope_scaling")
     for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
         if value is not None and not isinstance(value, dict):
             raise LayerConfigError(f"{where}: config.json {key} must be a JSON object or null, got {value!r}")
-    # a config with both: transformers takes the scaling from rope_scaling
-    scaling = legacy if legacy else params
-    theta = (params or {}).get("rope_theta", config.get("rope_theta"))
-    theta = 10000.0 if theta is None else theta  # HF's default
+    rope = legacy or params or {}  # (a config with both: transformers keeps rope_scaling's alone)
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise LayerConfigError(f"{where}: RoPE parameters per layer type ({', '.join(sorted(rope))}) are not "
+                               "supported: one set for every layer")
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    theta = DEFAULT_THETA.get(model_type, 10000.0) if theta is None else theta
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0.0 < theta < math.inf:
         raise LayerConfigError(f"{where}: rope_theta must be a positive number, got {theta!r}")
     theta = float(theta)
-    for partial in (config.get("partial_rotary_factor"), (params or {}).get("partial_rotary_factor")):
+    for partial in (config.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
         if partial is not None and (isinstance(partial, bool) or partial != 1):
             raise LayerConfigError(f"{where}: partial_rotary_factor {partial!r} is not supported: only full RoPE "
                                    "(the number 1)")
     if head_dim % 2:
         raise LayerConfigError(f"{where}: RoPE needs an even head_dim, got {head_dim}")
-    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise LayerConfigError(
             f"{where}: rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
     if rope_type == "linear":
-        inv_freq = inv_freq / _scaling_number(scaling, "factor", rope_type, where, at_least=1.0)
+        inv_freq = inv_freq / _scaling_number(rope, "factor", rope_type, where, at_least=1.0)
     elif rope_type == "llama3":
-        low, high = (_scaling_number(scaling, k, rope_type, where) for k in ("low_freq_factor", "high_freq_factor"))
+        low, high = (_scaling_number(rope, k, rope_type, where) for k in ("low_freq_factor", "high_freq_factor"))
         if not high > low:
             raise LayerConfigError(f"{where}: rope_scaling of type 'llama3' needs high_freq_factor > low_freq_factor, "
                                    f"got {high:g} and {low:g}")
-        inv_freq = _llama3_inv_freq(inv_freq, _scaling_number(scaling, "factor", rope_type, where, at_least=1.0),
-                                    low, high,
-                                    _scaling_number(scaling, "original_max_position_embeddings", rope_type, where))
-    return Rope(inv_freq.to(torch.float32))
+        # the pretraining length: a top-level original_max_position_embeddings wins (Phi-3 saves it
+        # there), then rope_scaling's, then max_position_embeddings
+        old = {"original_max_position_embeddings": config.get("original_max_position_embeddings",
+                                                                rope.get("original_max_position_embeddings",
+                                                                         config.get("max_position_embeddings")))}
+        if old["original_max_position_embeddings"] is None:
+            old = rope
+        inv_freq = _llama3_inv_freq(inv_freq, _scaling_number(rope, "factor", rope_type, where, at_least=1.0),
+                                    low, high, _scaling_number(old, "original_max_position_embeddings", rope_type,
+                                                               where))
+    return Rope(inv_freq)
 
 
 def _scaling_number(scaling: dict[str, Any], key: str, rope_type: str, where: str, at_least: float = 0.0) -> float:

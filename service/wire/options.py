@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import kernels
+from kernels.masks import FLOAT32_TINY, LOG2E, as_float32
 from service.core.types import LAYOUTS
 from service.errors import BadRequest
 
@@ -81,6 +82,9 @@ def parse_scale(name: str, value: Any, what: str = "option", huge: float | None 
         if huge is not None:
             return huge
         raise BadRequest(f"{what} {name!r} must be within float32's range (|x| <= 3.4e38), got {value!r}")
+    if huge is None and not math.isfinite(as_float32(scale * LOG2E)):  # as kernels.spec.check_scale: a 400 here
+        raise BadRequest(f"{what} {name!r} must be |x| <= 2.3e38 (float32's range over log2(e), the kernels' "
+                         f"base-2 softmax), got {value!r}")
     return scale
 
 
@@ -115,6 +119,9 @@ def parse_softcap(name: str, value: Any, what: str = "option") -> float:
         return 0.0
     if cap < 0:
         raise BadRequest(f"{what} {name!r} must be >= 0 (0: off), got {value!r}")
+    if 0 < cap < FLOAT32_TINY:  # as kernels.masks.check_masks: 0 in float32, where 0 / cap is NaN
+        raise BadRequest(f"{what} {name!r} must be 0 (off) or at least 1.2e-38 (float32's smallest normal), "
+                         f"got {value!r}")
     return cap
 
 

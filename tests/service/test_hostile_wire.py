@@ -332,6 +332,20 @@ def test_hostile_window_softcap_and_slopes_are_refused_or_served_on_every_transp
     assert_serving(http, native)
 
 
+def test_options_past_what_the_kernels_hold_are_400s_like_other_bad_values(http, native):
+    """A scale past float32's range over log2(e) and a softcap under float32's smallest normal are
+    bad option values, a 400 naming the option as the other bad values are (the kernels' own checks
+    answered them with 422); in a query string given twice, an option is a 400 too."""
+    doc = {n: x.tolist() for n, x in qkv().items()}
+    for params, name in (({"scale": "2.4e38"}, "scale"), ({"softcap": "1e-39"}, "softcap"),
+                         ([("causal", "true"), ("causal", "false")], "causal")):
+        r = http.post("/attention", params=params, json=doc)
+        assert f"'{name}'" in message(assert_refused(r, {400})), params
+    r = http.post("/attention", params={"scale": "2.3e38"}, json=doc)
+    assert r.status_code == 200, r.text
+    assert_serving(http, native)
+
+
 # ---------------------------------------------------------------- 3. numbers only in JSON tensors
 
 BAD_LEAVES = [True, False, None, "1.0", {"a": 1}]

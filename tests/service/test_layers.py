@@ -433,6 +433,15 @@ BROKEN = [
      r"k_proj\.weight' .* has dtype torch\.float8_e4m3fn; .*quantized checkpoint is not served"),
     ("index-names-no-file", "llama", {"shards": 2}, ("index", K_PROJ0, 5), 0,
      r"names 5 as the file of 'model\.layers\.0\.self_attn\.k_proj\.weight'"),
+    # a bias transformers' module has, missing from the checkpoint (it once served without it)
+    ("missing-qwen2-bias", "llama", {"model_type": "qwen2", "bias": True},
+     ("drop", "model.safetensors", "model.layers.0.self_attn.q_proj.bias"), 0,
+     r"missing tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"),
+    ("missing-llama-o-bias", "llama", {"bias": True, "config_extra": {"attention_bias": True}}, None, 0,
+     r"missing tensor 'model\.layers\.0\.self_attn\.o_proj\.bias'"),
+    ("rope-per-layer-type", "llama", {"config_extra": {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e4}}}}, None, 0,
+     r"RoPE parameters per layer type \(full_attention\) are not supported"),
 ]
 
 
@@ -611,6 +620,55 @@ def test_llama_matches_transformers(tmp_path, hf, cls_name, case):
                                               attention_mask=causal.expand(2, 1, n, n))[0]
     y = dev.forward(x, causal=True, positions=positions)
     torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+LLAMA3_8K = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+ROPE_CONFIGS = [  # (id, model_type, config.json fields)
+    ("theta", "llama", {"rope_theta": 5e5}),
+    ("linear", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ("llama3", "llama", {"rope_theta": 5e5, "rope_scaling": LLAMA3_8K, "max_position_embeddings": 131072}),
+    ("llama3-length-from-max", "llama", {"rope_scaling": {k: v for k, v in LLAMA3_8K.items()
+                                                          if k != "original_max_position_embeddings"},
+                                         "max_position_embeddings": 2048}),
+    ("llama3-top-level-length-wins", "llama", {"rope_scaling": LLAMA3_8K, "original_max_position_embeddings": 2048}),
+    ("mixtral-default-theta", "mixtral", {}),
+    ("mistral-default", "mistral", {}),
+    ("qwen2-theta", "qwen2", {"rope_theta": 1e6}),
+    ("theta-in-rope-scaling", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5}}),
+    ("scaling-and-parameters", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}}),
+    ("parameters", "llama", {"rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 2e4}}),
+]
+
+
+@pytest.mark.parametrize(("model_type", "fields"), [c[1:] for c in ROPE_CONFIGS], ids=[c[0] for c in ROPE_CONFIGS])
+def test_rope_frequencies_are_transformers_own(hf, model_type, fields):
+    """The layer's RoPE inv_freq equals transformers' rotary embedding's bit for bit, for the same
+    config.json: theta from where transformers takes it (rope_scaling over rope_parameters, then the
+    top level, then the model type's default: Mixtral's 1e6), llama3's pretraining length, and
+    float32 arithmetic (float64 rounded once differed by an ulp: 4e-3 off at position 1e5)."""
+    import importlib
+
+    from service.layers.families import _rope
+
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **fields}
+    ours = _rope(json.loads(json.dumps({"model_type": model_type, **config})), model_type, 16, "x").inv_freq
+    hf_config = hf.AutoConfig.for_model(model_type, **json.loads(json.dumps(config)))
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    rotary = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))(config=hf_config)
+    assert ours.dtype == rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(ours, rotary.inv_freq), (ours, rotary.inv_freq)
+
+
+def test_a_window_the_config_leaves_out_is_the_config_class_default(hf):
+    """Mistral's sliding_window when config.json has no such key: transformers' MistralConfig
+    default (4096), not none; Mixtral's default is none."""
+    from service.layers.families import sliding_window
+
+    assert sliding_window({"model_type": "mistral"}, "mistral", 0) == hf.MistralConfig().sliding_window == 4096
+    assert sliding_window({"model_type": "mixtral"}, "mixtral", 0) is hf.MixtralConfig().sliding_window is None
+    assert sliding_window({"model_type": "qwen2"}, "qwen2", 0) is None  # (use_sliding_window is off)
 
 
 def test_mistral_sliding_window_matches_transformers(tmp_path, hf):

@@ -268,6 +268,14 @@ def test_a_failed_step_appends_nothing(http):
     assert r.status_code == 422, r.text
     r = http.post("/sessions/attend", json={"sessions": [sid, "nope"], "q": q.tolist(), "q_lengths": [1, 2]})
     assert r.status_code == 404, r.text
+    # an empty id in a comma-separated list (it was dropped: the step ran on the others); an option
+    # given twice in the query string (the last won)
+    for params in ({"sessions": f"{sid},,{sid}"}, {"sessions": f",{sid}"}):
+        r = http.post("/sessions/attend", params=params, json={"q": q[:1].tolist(), "q_lengths": [1]})
+        assert r.status_code == 400 and "empty id" in r.json()["error"]["message"], (params, r.text)
+    r = http.post(f"/sessions/{sid}/attend", params=[("causal", "true"), ("causal", "false")], headers=ST,
+                  content=st.save({"q": rand(1, HQ, 2, D, seed=4)}))
+    assert r.status_code == 400 and "'causal' is given twice" in r.json()["error"]["message"], r.text
     assert lengths(http, sid) == [3]
 
 

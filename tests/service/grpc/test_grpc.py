@@ -326,7 +326,9 @@ def test_stream_whose_answers_are_not_read_stops_being_read(server, stub):
         if still == 30 or last == 400:
             break
     call.cancel()
-    assert last < 200, f"the server read {last} of 400 calls whose answers were not read"
+    # stopped: the count held before 400 (how far it got depends on HTTP/2's windows, which grpc
+    # grows with the link's measured bandwidth-delay product: 204 was seen on a loaded box)
+    assert still == 30 and last < 400, f"the server read {last} of 400 calls whose answers were not read"
     assert_close_to_reference(tensor_from_pb(stub.Attend(message, timeout=60), "o"), q, k, v)
 
 
