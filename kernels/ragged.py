@@ -293,7 +293,7 @@ class _Template:
     seq: np.ndarray
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # (~20 KB each for 64 long sequences)
 def _decode_template(nq: tuple[int, ...], tiles_b: bytes, splits_b: bytes, kps_b: bytes,
                      block_ms: tuple[int, ...]) -> _Template:
     """``plan_layout`` of decode sequences (none empty, keys from 0), less their key counts, which

@@ -185,7 +185,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 # Triton's rpcs of the extensions the server lacks: UNIMPLEMENTED saying which (grpc's own answer to
 # a method it does not know is a bare "Method not found!")
 TRITON_EXTENSIONS = {
-    "ModelConfig": "model configuration over gRPC (HTTP serves it: GET /v2/models/{model}/config)",
+    "ModelConfig": "model configuration (over gRPC)",
     "ModelStatistics": "statistics",
     "RepositoryIndex": "model repository", "RepositoryModelLoad": "model repository",
     "RepositoryModelUnload": "model repository",

@@ -226,15 +226,12 @@ def _rope(config: dict[str, Any], model_type: str, head_dim: int, where: str) ->
             raise LayerConfigError(f"{where}: rope_scaling of type 'llama3' needs high_freq_factor > low_freq_factor, "
                                    f"got {high:g} and {low:g}")
         # the pretraining length: a top-level original_max_position_embeddings wins (Phi-3 saves it
-        # there), then rope_scaling's, then max_position_embeddings
-        old = {"original_max_position_embeddings": config.get("original_max_position_embeddings",
-                                                                rope.get("original_max_position_embeddings",
-                                                                         config.get("max_position_embeddings")))}
-        if old["original_max_position_embeddings"] is None:
-            old = rope
+        # there), then the scaling's own, then max_position_embeddings
+        key = "original_max_position_embeddings"
+        found = [v for v in (config.get(key), rope.get(key), config.get("max_position_embeddings")) if v is not None]
+        length = {key: found[0]} if found else {}
         inv_freq = _llama3_inv_freq(inv_freq, _scaling_number(rope, "factor", rope_type, where, at_least=1.0),
-                                    low, high, _scaling_number(old, "original_max_position_embeddings", rope_type,
-                                                               where))
+                                    low, high, _scaling_number(length, key, rope_type, where))
     return Rope(inv_freq)
 
 

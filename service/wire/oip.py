@@ -307,8 +307,9 @@ def unsupported_extension(feature: str) -> Unsupported:
     """The refusal of a Triton extension's route or rpc (statistics, repository, shared memory,
     trace, logging): what the server serves instead."""
     return Unsupported(f"attnserve does not implement Triton's {feature} extension; it serves the Open "
-                       f"Inference Protocol's health, metadata and infer calls, Triton's model config, "
-                       f"binary tensor data and sequences (its metrics: GET /metrics)")
+                       "Inference Protocol's health, metadata and infer calls, binary tensor data, sequences "
+                       "and, over HTTP, Triton's model config (GET /v2/models/{model}/config); its metrics are "
+                       "at GET /metrics")
 
 
 def sequence_id(value: Any) -> str | None:
