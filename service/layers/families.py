@@ -57,7 +57,10 @@ def model_type_of(config: dict[str, Any], folder: Path, where: str) -> str:
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     if model_type is None and isinstance(archs, list):
-        model_type = next((t for a in archs for p, t in ARCH_PREFIX.items() if str(a).startswith(p)), None)
+        # a class of the family itself ("LlamaForCausalLM", "BertModel"), not one whose name extends
+        # it ("Llama4ForCausalLM", "Qwen2MoeForCausalLM": other attention)
+        model_type = next((t for a in archs for p, t in ARCH_PREFIX.items()
+                           if str(a) == p + "Model" or str(a).startswith(p + "For")), None)
     if not isinstance(model_type, str) or model_type not in FAMILY_OF:
         raise LayerConfigError(
             f"{where}: unknown model family (model_type={config.get('model_type')!r}, "

@@ -293,6 +293,10 @@ def test_config_without_model_type_uses_architectures(tmp_path):
     del config["model_type"]
     (tmp_path / "ckpt/config.json").write_text(json.dumps(config))
     assert load_layer("b", tmp_path / "ckpt", 0).info.family == "bert"
+    for arch in ("Llama4ForCausalLM", "Qwen2MoeForCausalLM", "BertGenerationEncoder"):  # names that extend one
+        (tmp_path / "ckpt/config.json").write_text(json.dumps({**config, "architectures": [arch]}))
+        with pytest.raises(LayerConfigError, match="unknown model family"):
+            load_layer("b", tmp_path / "ckpt", 0)
 
 
 def test_load_layers_from_settings(tmp_path):
