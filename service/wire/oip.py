@@ -101,12 +101,13 @@ class Model:
     def config(self) -> dict[str, Any]:
         """Triton's model configuration (``GET /v2/models/{m}/config``, read by perf_analyzer)."""
 
-        def tensors(specs: tuple[TensorSpec, ...]) -> list[dict]:
+        def tensors(specs: tuple[TensorSpec, ...], inputs: bool) -> list[dict]:
+            # ("optional" is a field of Triton's ModelInput only: an output is sent when asked for)
             return [{"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": list(t.shape),
-                     "optional": t.optional} for t in specs]  # fmt: skip
+                     **({"optional": t.optional} if inputs else {})} for t in specs]  # fmt: skip
 
         return {"name": self.name, "platform": self.platform, "max_batch_size": 0,
-                "input": tensors(self.inputs), "output": tensors(self.outputs)}  # fmt: skip
+                "input": tensors(self.inputs, True), "output": tensors(self.outputs, False)}  # fmt: skip
 
 
 # q/k/v/o take FP16, BF16 or FP32 alike (o follows q); metadata lists FP16

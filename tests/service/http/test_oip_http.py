@@ -73,6 +73,7 @@ def test_server_and_model_metadata(client, server):
         "dims": [-1, -1, -1, -1],
         "optional": False,
     }
+    assert config["output"][1] == {"name": "lse", "data_type": "TYPE_FP32", "dims": [-1, -1, -1]}  # (no "optional")
     with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
         client.get_model_metadata("nope")
 
