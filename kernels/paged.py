@@ -19,7 +19,7 @@ import torch
 
 from .errors import ShapeError
 from .masks import check_masks
-from .ragged import choose_ragged, flash_ragged, on_device, reference_ragged
+from .ragged import choose_ragged, flash_ragged, no_backward, on_device, reference_ragged
 from .ragged_checks import (
     BlockTableError,
     SeqLensError,
@@ -130,7 +130,8 @@ def attention_paged(
     the call then checks and plans from these and reads nothing back from the device (no device
     sync; the plan, a function of each sequence's own lengths, is the same). With q on the CPU,
     host_index must equal the tensors (compared: a copy that differs is refused).
-    kernel: "auto", "flash", "reference". No gradients.
+    kernel: "auto", "flash", "reference". No backward: with inputs that require grad, a backward
+    through the answer raises.
     window_size, softcap, alibi_slopes: as ``kernels.attention``'s (docs/kernels.md#score-modifiers),
     row i of sequence s at position i + cache_lens[s] - n_s; alibi_slopes float32 (Hq,) or (S, Hq).
     """
@@ -174,6 +175,7 @@ def attention_paged(
                 return gather_pages(k_pages, bt[s], lens[s]), gather_pages(v_pages, bt[s], lens[s])
 
             o, lse = reference_ragged(q, q_lens, keys, causal=causal, scale=scale, masks=masks)
+    o, lse = no_backward("attention_paged", o, lse, q, k_pages, v_pages, alibi_slopes)
     return (o, lse) if return_lse else o
 
 

@@ -428,6 +428,32 @@ def cached_plan(q_lens: tuple[int, ...], k_lens: tuple[int, ...], k_starts: tupl
     return build_plan(q_lens, k_lens, k_starts, hq, hkv, d, dtype, device, causal, interpret)
 
 
+# ---- no backward ----
+
+class _NoBackward(torch.autograd.Function):
+    """The answer of a ragged or paged call whose inputs require grad: its backward raises, where
+    a detached answer would leave attention's share out of the gradient without a word."""
+
+    @staticmethod
+    def forward(ctx, name, o, lse, *inputs):  # noqa: ANN001, ARG004 - autograd's signature
+        ctx.name = name
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: ANN001, ARG004
+        raise NotImplementedError(f"{ctx.name} has no backward (its answer is computed without gradients): train "
+                                  "with kernels.attention, one sequence a call, or call it under torch.no_grad()")
+
+
+def no_backward(name: str, o: torch.Tensor, lse: torch.Tensor, *inputs: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse), tied to ``inputs`` by ``_NoBackward`` where grad mode is on and one requires grad."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _NoBackward.apply(name, o, lse, *(t for t in inputs if t is not None))
+    return o, lse
+
+
 # ---- launches ----
 
 def plain_launcher() -> Callable:

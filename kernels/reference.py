@@ -37,7 +37,8 @@ def reference_attention(
     acc = _acc_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     n_q, n_k = q.shape[2], k.shape[2]
-    qf, kf = q.to(acc), _expand_kv(k, group).to(acc)
+    qf = q.to(acc)
+    kf = _zero_padding(_expand_kv(k, group).to(acc), kv_lengths, 0)
     vf = _zero_padding(_expand_kv(v, group).to(acc), kv_lengths, 0)
     s = _as_kernels_see(torch.matmul(qf, kf.transpose(-1, -2)) * scale)  # (B, Hq, Nq, Nk)
     if masks.softcap > 0 or masks.alibi is not None:
@@ -78,9 +79,10 @@ def _mask(
 
 
 def _zero_padding(v: torch.Tensor, kv_lengths: torch.Tensor | None, c0: int) -> torch.Tensor:
-    """v (B, H, n, D), keys c0.. of the call, with the rows at positions >= kv_lengths[b] set to 0:
-    padding may hold anything (``torch.empty``, NaN), and a masked key's p = 0 times NaN would
-    still be NaN in p @ v."""
+    """v (or k) (B, H, n, D), keys c0.. of the call, with the rows at positions >= kv_lengths[b]
+    set to 0: padding may hold anything (``torch.empty``, NaN), and a masked key's p = 0 times NaN
+    would still be NaN in p @ v; in the backward, a masked score's dS = 0 times a NaN key would be
+    NaN in dQ = dS K (and a soft cap's tanh of a NaN score NaN in dK)."""
     if kv_lengths is None:
         return v
     c = torch.arange(c0, c0 + v.shape[2], device=v.device)
@@ -141,7 +143,7 @@ def blockwise_attention(
         if causal or masks.right >= 0:
             c_hi = min(n_k, r0 + rows - 1 + off + (0 if causal else masks.right) + 1)
         for c0 in range(c_lo // block_k * block_k, max(c_hi, 0), block_k):
-            kj = _expand_kv(k[:, :, c0 : c0 + block_k], group).to(acc)
+            kj = _zero_padding(_expand_kv(k[:, :, c0 : c0 + block_k], group).to(acc), kv_lengths, c0)
             vj = _zero_padding(_expand_kv(v[:, :, c0 : c0 + block_k], group).to(acc), kv_lengths, c0)
             # scaled after the product, as the other kernels: q · scale alone may pass float32's range
             s = _as_kernels_see(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale))  # S_ij (B, Hq, bq, bk)

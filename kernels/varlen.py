@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .masks import check_masks
-from .ragged import choose_ragged, flash_ragged, on_device, reference_ragged
+from .ragged import choose_ragged, flash_ragged, no_backward, on_device, reference_ragged
 from .ragged_checks import (
     SeqLensError,
     check_cu,
@@ -52,7 +52,7 @@ def attention_varlen(
     give o = 0 and lse = -inf. Each sequence's o and lse are bit for bit those of the sequence
     alone (``kernels/ragged.py``). The lengths are read on the host: one small device-to-host copy.
     kernel: "auto", "flash" (Triton; CUDA or TRITON_INTERPRET=1) or "reference" (one PyTorch call
-    per sequence). No gradients.
+    per sequence). No backward: with inputs that require grad, a backward through the answer raises.
     window_size, softcap, alibi_slopes: as ``kernels.attention``'s (docs/kernels.md#score-modifiers),
     with each sequence's own n_q and n_k aligning its rows; alibi_slopes float32 (Hq,) or (S, Hq).
     max_seqlen_q, max_seqlen_k: flash-attn's bounds on the longest sequence, for code written for
@@ -83,5 +83,6 @@ def attention_varlen(
         else:
             o, lse = reference_ragged(q, q_lens, lambda s: (k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]]),
                                       causal=causal, scale=scale, masks=masks)
+    o, lse = no_backward("attention_varlen", o, lse, q, k, v, alibi_slopes)
     return (o, lse) if return_lse else o
 

@@ -311,3 +311,49 @@ def test_gpu_keys_of_minus_inf_on_every_kernel(kernel, dtype):
         for causal in (False, True):
             o, lse = attention(q, k, v, causal=causal, return_lse=True, kernel=kernel)
             check(o.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, d ** -0.5)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_nan_padding_gives_the_gradients_of_clean_padding(kernel, causal, softcap):
+    """Keys and values past kv_lengths may hold anything (NaN): the gradients are those of clean
+    padding, and zero on the padding rows (the reference and the CPU path's dQ were all NaN: a
+    masked score's dS = 0 times a NaN key; with a soft cap dK's padding rows too)."""
+    if kernel == "flash_v1" and softcap:
+        pytest.skip("flash_v1 takes no score modifier")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 16) for n in (5, 9, 9))
+    lengths = torch.tensor([6, 9], dtype=torch.int32)
+    grads = []
+    for pad in (0.0, NAN):
+        kk, vv = k.clone(), v.clone()
+        kk[0, :, 6:], vv[0, :, 6:] = pad, pad
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, kk, vv))
+        o = attention(qg, kg, vg, causal=causal, kv_lengths=lengths, kernel=kernel, softcap=softcap)
+        o.backward(torch.ones_like(o))
+        grads.append((o.detach(), qg.grad, kg.grad, vg.grad))
+    for name, clean, poisoned in zip(("o", "dq", "dk", "dv"), *grads, strict=True):
+        assert torch.equal(clean, poisoned), (name, clean, poisoned)
+    assert not grads[1][2][0, :, 6:].any() and not grads[1][3][0, :, 6:].any()
+
+
+def test_ragged_and_paged_calls_refuse_a_backward_instead_of_dropping_it():
+    """attention_varlen and attention_paged have no backward: with inputs that require grad they
+    answer (inference with grad mode on works), and a backward through the answer raises, where it
+    once came back detached and a residual's backward left attention's share out without a word."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(7, 2, 8, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    o = attention_varlen(q, k, v, cu, cu, causal=True, kernel="reference")
+    with torch.no_grad():
+        assert torch.equal(o, attention_varlen(q, k, v, cu, cu, causal=True, kernel="reference"))
+    with pytest.raises(NotImplementedError, match="attention_varlen has no backward"):
+        (q + o).sum().backward()
+    pages = torch.randn(4, 2, 2, 8, requires_grad=True)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    o, lse = attention_paged(q[:2], pages, pages, table, torch.tensor([3, 4], dtype=torch.int32),
+                             torch.tensor([0, 1, 2], dtype=torch.int32), kernel="reference", return_lse=True)
+    assert not lse.requires_grad
+    with pytest.raises(NotImplementedError, match="attention_paged has no backward"):
+        o.sum().backward()
