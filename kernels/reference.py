@@ -44,6 +44,8 @@ def reference_attention(
     if masks.softcap > 0 or masks.alibi is not None:
         r, c = torch.arange(n_q, device=q.device), torch.arange(n_k, device=q.device)
         s = modify_scores(s, r, c, n_q, n_k, masks)
+        if masks.alibi is not None:  # a bias may push a score past the kernels' range too
+            s = _as_kernels_see(s)
     mask = _mask(n_q, n_k, 0, 0, n_q, n_k, causal, kv_lengths, q.device, masks)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -150,6 +152,8 @@ def blockwise_attention(
             if modify:
                 s = modify_scores(s, torch.arange(r0, r0 + rows, device=q.device),
                                   torch.arange(c0, c0 + kj.shape[2], device=q.device), n_q, n_k, masks)
+                if masks.alibi is not None:  # a bias may push a score past the kernels' range too
+                    s = _as_kernels_see(s)
             mask = _mask(rows, kj.shape[2], r0, c0, n_q, n_k, causal, kv_lengths, q.device, masks)
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))

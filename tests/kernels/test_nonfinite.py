@@ -357,3 +357,17 @@ def test_ragged_and_paged_calls_refuse_a_backward_instead_of_dropping_it():
     assert not lse.requires_grad
     with pytest.raises(NotImplementedError, match="attention_paged has no backward"):
         o.sum().backward()
+
+
+@pytest.mark.parametrize("kernel", ["reference", "cpu", "flash"], indirect=True)
+def test_a_score_an_alibi_bias_pushes_past_the_kernels_range_is_infinite(kernel):
+    """A bias of ±3e38 (slope ∓1e38, distance 3) takes a score past ±2.36e38: +inf (the row is
+    NaN) or -inf (the key is not seen: with kv_lengths 1, o = 0 and lse = -inf) on every kernel
+    (the reference and the CPU path clamped before adding the bias: a finite answer)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16)
+    o, lse = attention(q, k, v, alibi_slopes=torch.tensor([-1e38]), kernel=kernel, return_lse=True)
+    assert o.isnan().all() and lse.isnan().all()
+    o, lse = attention(q, k, v, alibi_slopes=torch.tensor([1e38]), kv_lengths=torch.tensor([1], dtype=torch.int32),
+                       kernel=kernel, return_lse=True)
+    assert torch.equal(o, torch.zeros_like(o)) and lse.item() == -INF
