@@ -238,9 +238,6 @@ def _empty_device_cache(lock: Any) -> tuple[None, None]:
     return None, None
 
 
-__all__ = ["Engine"]
-
-
 def worker_names(devices: list[torch.device]) -> list[str]:
     """Each worker's name: its device's ("cuda:1"); a device listed twice ("--device cpu,cpu") gets
     "cpu-0", "cpu-1", so that its workers' metrics do not share one label."""
@@ -253,3 +250,7 @@ def worker_names(devices: list[torch.device]) -> list[str]:
             n = f"{n}-{seen[n]}"
         out.append(n)
     return out
+
+
+__all__ = ["Engine"]
+
