@@ -1,5 +1,6 @@
-"""uvicorn, patched for big request bodies: each byte copied once on its way from the socket to the
-tensors that view it, and the handler woken once per body.
+"""uvicorn, patched for big request bodies and for answers: each byte of a body copied once on its
+way from the socket to the tensors that view it, the handler woken once per body, and an answer's
+pieces sent with one write.
 
 These reach into uvicorn's httptools protocol; they are installed only on the uvicorn version they
 were read from (``UVICORN_HANDING_OVER``), and on another uvicorn its own code runs as it is.
@@ -148,6 +149,49 @@ def hand_over_request_bodies() -> bool:
     return True
 
 
+class ResponseWrites:
+    """A request cycle's transport that sends an answer's pieces (the status line and headers, then
+    each body part) with one ``writelines`` when the answer is complete or the event loop turns,
+    instead of a send each: uvloop sends every ``write`` at once, so a safetensors answer cost three
+    syscalls, each waking the client. Writes before the answer starts (``100 Continue``) go at once."""
+
+    __slots__ = ("_transport", "_cycle", "_held", "_scheduled")
+
+    def __init__(self, transport: asyncio.Transport, cycle):
+        self._transport, self._cycle = transport, cycle
+        self._held: list = []
+        self._scheduled = False
+
+    def write(self, data) -> None:
+        if not self._cycle.response_started:
+            self.flush()
+            self._transport.write(data)
+            return
+        self._held.append(data)
+        if not self._scheduled:  # an answer streamed over several turns of the loop still flows
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        if self._transport.is_closing():
+            return
+        if len(held) == 1:
+            self._transport.write(held[0])
+        else:
+            self._transport.writelines(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 def http_protocol(gather_bytes: int, allocate: Callable[[int], Body] | None = None) -> type[asyncio.Protocol] | str:
     """uvicorn's httptools protocol, waking the app once per request body (or once per
     ``gather_bytes`` of it) instead of once per socket read, and reading a big declared body
@@ -180,6 +224,15 @@ def http_protocol(gather_bytes: int, allocate: Callable[[int], Body] | None = No
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             self.direct = self._direct_length() if allocate is not None else 0
+            cycle = self.cycle
+            cycle.transport = corked = ResponseWrites(self.transport, cycle)
+            answered = cycle.on_response
+
+            def on_response() -> None:  # the answer's held writes go out before anything after it
+                corked.flush()
+                answered()
+
+            cycle.on_response = on_response
 
         def _direct_length(self) -> int:
             if self.pipeline or (self.parser.should_upgrade() and self._should_upgrade()):

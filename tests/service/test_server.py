@@ -456,6 +456,87 @@ def test_a_big_declared_body_is_read_straight_into_one_buffer():
     assert len(buffers) == 6 and disconnects == [True]
 
 
+def test_an_answer_goes_to_the_socket_in_one_write():
+    """The server's HTTP protocol sends an answer's status line, headers and body parts with one
+    ``writelines`` (uvloop sends each ``write`` at once: a syscall and a wake-up of the client each).
+    Answers streamed over several turns of the loop still arrive whole and in order, pipelined
+    requests are answered in turn, and a 100 Continue goes out before the answer starts."""
+    import asyncio
+
+    import uvicorn
+
+    from service.http.uvicorn_patch import UVICORN_HANDING_OVER, hand_over_request_bodies, http_protocol
+
+    if uvicorn.__version__ != UVICORN_HANDING_OVER:
+        return
+    hand_over_request_bodies()
+    sends: list[tuple[str, int]] = []  # (method, bytes) of each call on the socket's transport
+
+    class Counted:
+        """The connection's transport, its writes counted."""
+
+        def __init__(self, transport):
+            self._transport = transport
+
+        def write(self, data):
+            sends.append(("write", len(data)))
+            self._transport.write(data)
+
+        def writelines(self, parts):
+            parts = list(parts)
+            sends.append(("writelines", sum(len(p) for p in parts)))
+            self._transport.writelines(parts)
+
+        def __getattr__(self, name):
+            return getattr(self._transport, name)
+
+    base = http_protocol(64 << 20)
+
+    class Protocol(base):
+        def connection_made(self, transport):
+            super().connection_made(Counted(transport))
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await _receive_all(receive)
+        parts = [b"a" * 100, b"b" * 70000, b"c" * 3]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(sum(map(len, parts))).encode())]})
+        for i, part in enumerate(parts):
+            if scope["path"] == "/stream":
+                await asyncio.sleep(0.01)  # turns of the loop between the parts
+            await send({"type": "http.response.body", "body": part, "more_body": i < 2})
+
+    def answer(s: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        while len(body) < 70103:
+            body += s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 200") and len(body) == 70103, (head, len(body))
+        return body
+
+    expected = b"a" * 100 + b"b" * 70000 + b"c" * 3
+    with _uvicorn(app, Protocol) as port, socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert answer(s) == expected
+        assert [m for m, _ in sends] == ["writelines"]
+        sends.clear()
+        s.sendall(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert answer(s) == expected
+        assert len(sends) >= 2  # each turn's pieces went out in their turn
+        s.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\nGET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert answer(s) == expected and answer(s) == expected
+        sends.clear()
+        s.sendall(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(b"hello")
+        assert answer(s) == expected
+        assert [m for m, _ in sends] == ["write", "writelines"]
+
+
 def test_idle_keep_alive_connections_stay_open(tmp_path):
     """An idle keep-alive connection outlives uvicorn's default 5 s (``--http-keep-alive-s``, 75 by
     default): a client that reuses it after a pause must not meet a connection the server is
