@@ -81,6 +81,10 @@ def check_supported(config: Any) -> None:
         window = None  # (Qwen2-MoE writes 0 for "no sliding window": every layer attends in full)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise NotImplementedError(f"attnserve needs sliding_window to be a positive int; this config sets {window!r}")
+    if getattr(config, "kv_lora_rank", None):
+        raise NotImplementedError("attnserve sessions keep each head's keys and values; this config's attention is "
+                                  "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3), whose cache holds "
+                                  "compressed latents")
     shared = getattr(config, "num_kv_shared_layers", 0)
     if shared:
         raise NotImplementedError(f"attnserve sessions keep each layer's own keys and values; this config's last "
@@ -234,6 +238,42 @@ class SessionCache(Cache):
     def batch_size(self) -> int:
         return len(self.layers[0].held)
 
+    @property
+    def is_croppable(self) -> bool:
+        """False. transformers asks before it would drop tokens (assisted decoding, prompt lookup),
+        after a forward that sent its draft tokens to the sessions: the cache is unusable from then on."""
+        if any(layer.length for layer in self.layers):
+            self._failed = self._failed or NotImplementedError(
+                "assisted decoding and prompt lookup drop draft tokens from the cache (crop), which a SessionCache "
+                "cannot: its sessions now hold them")
+        return False
+
+    def _refuse(self, exc: BaseException) -> None:
+        """Raise ``exc`` for a cache operation the sessions cannot do, leaving the cache unusable:
+        the forward before it has already sent its tokens (beam search reorders after the prompt)."""
+        self._failed = self._failed or exc
+        raise exc
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refuse(NotImplementedError("a SessionCache cannot reorder its rows: beam search is not supported"))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            self._refuse(NotImplementedError("a SessionCache cannot drop tokens (crop): the server's sessions only "
+                                             "grow; assisted decoding is not supported"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self._refuse(NotImplementedError("a SessionCache cannot repeat its rows (num_return_sequences > 1 or "
+                                             "beams): make it for the prompts' rows times n"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse(NotImplementedError("a SessionCache cannot select rows"))
+
+    def __deepcopy__(self, memo: dict) -> SessionCache:
+        raise NotImplementedError("a SessionCache cannot be copied: its keys and values live in server sessions, "
+                                  "which cannot be forked; prefill a new SessionCache for each prompt")
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (B, Hkv, n, D) of layer ``layer_idx`` -> the same tensors, staged for the attention
@@ -266,7 +306,9 @@ class SessionCache(Cache):
             for name, t in (("keys", key_states), ("values", value_states)):
                 if t.dtype != self.dtype:
                     raise ValueError(f"the model's {name} are {dtype_name(t.dtype)}, the sessions "
-                                     f"{dtype_name(self.dtype)}: pass dtype= to SessionCache, or cast the model")
+                                     f"{dtype_name(self.dtype)}: make the SessionCache in the model's dtype "
+                                     f"(dtype={dtype_name(t.dtype)}), cast the model, or run it under "
+                                     f"torch.autocast(..., dtype=torch.{dtype_name(self.dtype)})")
         past = self.layers[layer_idx].length
         keys, values = self.layers[layer_idx].update(key_states, value_states)
         self._staged_layer = layer_idx
@@ -468,16 +510,24 @@ def attnserve_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     _staged.entry = None
     if entry is None and kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         # an encoder's or a vision tower's attention: it never has a cache to stage its keys in
-        raise NotImplementedError(
-            f"attnserve sessions serve causal (decoder) attention only; {type(module).__name__} is not causal: give "
-            'that part of the model another attention, e.g. model.set_attn_implementation({"text_config": '
-            '"attnserve", "vision_config": "sdpa"})')
+        config = getattr(module, "config", None)
+        hint = ('give that part of the model another attention, e.g. model.set_attn_implementation({"text_config": '
+                '"attnserve", "vision_config": "sdpa"})' if config is not None and hasattr(config, "vision_config")
+                else "an encoder-decoder model's attention is not served")
+        raise NotImplementedError(f"attnserve sessions serve causal (decoder) attention only; "
+                                  f"{type(module).__name__} is not causal: {hint}")
     if entry is None:
         raise RuntimeError('attn_implementation "attnserve" needs cache=SessionCache(...) '
                            "(and use_cache): no keys were staged for this attention call")
     cache, layer_idx, keys, values, past = entry
     cache._staged_layer = None
     try:
+        if kwargs.get("use_cache") is False:
+            # generate() then feeds the whole sequence again at every step, with the cache: the
+            # sessions would hold each token many times over
+            raise NotImplementedError("attnserve attention runs over the sessions' keys: it needs use_cache=True "
+                                      "(generate(..., use_cache=True); this model's generation_config or config may "
+                                      "set use_cache=False); make a new SessionCache")
         if keys is not key or values is not value:
             raise RuntimeError("the keys given to attnserve_attention are not the ones SessionCache.update staged "
                                f"for layer {layer_idx}: the model changes them between the cache and the attention "

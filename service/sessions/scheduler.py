@@ -31,6 +31,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -74,7 +75,8 @@ class Work:
     geometry: Geometry
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     enqueued: float = field(default_factory=time.monotonic)
-    launched: bool = False
+    launched: bool = False  # taken from the queue (handed to the launcher thread, or run inline)
+    claimed: str | None = None  # "run" by the launch that reached it, or "expired" by its deadline first
     before: list[int] = field(default_factory=list)  # each seq's length before the step (launcher thread)
     timer: asyncio.TimerHandle | None = None
 
@@ -94,6 +96,19 @@ class Work:
 
 
 # ---------------------------------------------------------------- the launch (launcher thread)
+
+
+_CLAIMS = threading.Lock()
+
+
+def claim(work: Work, what: str) -> bool:
+    """True for the first of the launcher thread ("run") and the deadline timer ("expired") to claim
+    ``work``: a work handed to the launcher behind a running launch may still expire, at its deadline."""
+    with _CLAIMS:
+        if work.claimed is None:
+            work.claimed = what
+            return True
+        return False
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -121,6 +136,8 @@ def launch_steps(cache: KVCache, works: list[Work], lock: Any,
     now = time.monotonic()
     live: list[tuple[Work, Reservation]] = []
     for w in works:
+        if not claim(w, "run"):
+            continue  # its deadline passed while it waited for this thread: answered 504 already
         try:
             if w.step.deadline is not None and w.step.deadline <= now:
                 raise DeadlineExceeded("the step's deadline passed before it could run; nothing was appended")
@@ -327,9 +344,14 @@ class StepScheduler:
 
     def _expire(self, work: Work) -> None:
         work.timer = None
-        if not work.launched and not work.future.done():
+        if work.future.done():
+            return
+        if not work.launched:
             self._drop(work)
             work.future.set_exception(DeadlineExceeded("the step's deadline passed while it was queued; "
+                                                       "nothing was appended"))
+        elif claim(work, "expired"):  # handed to the launcher thread, which has not reached it yet
+            work.future.set_exception(DeadlineExceeded("the step's deadline passed before it could run; "
                                                        "nothing was appended"))
 
     def _soon(self) -> None:

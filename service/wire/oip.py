@@ -319,6 +319,8 @@ def sequence_id(value: Any) -> str | None:
         raise BadRequest("parameter 'sequence_id' is an integer past 64 bits; send such an id as a string")
     if isinstance(value, bool) or not (value is None or isinstance(value, int | str)):  # 0.0 and False == 0
         raise BadRequest(f"parameter 'sequence_id' must be an integer or a string, got {value!r}")
+    if isinstance(value, int) and value < 0:  # Triton's integer ids are unsigned (uint64)
+        raise BadRequest(f"parameter 'sequence_id' must be an integer >= 0 or a string, got {value}")
     if value is None or value == 0 or value == "":
         return None
     return str(value)
@@ -343,6 +345,12 @@ def sequence_call(model: Model, session: str, tensors: Mapping[str, torch.Tensor
         raise BadRequest("a sequence step takes no kv_lengths: its keys are the session's")
     flags = {name: parse_bool(name, parameters[name], "parameter") if name in parameters else False
              for name in ("sequence_start", "sequence_end")}
+    if "kernel" in parameters:
+        raise BadRequest("a sequence step takes no 'kernel' parameter: session steps run the paged kernels; "
+                         "drop it from calls with a sequence_id")
+    if "layers" in parameters and not flags["sequence_start"]:
+        raise BadRequest("parameter 'layers' goes with sequence_start only: a session's layer count is set "
+                         "when it starts")
     opts = parse_options({k: v for k, v in parameters.items() if k in STEP_PARAMETERS}, "parameter")
     outputs = select_outputs(model, requested, opts.pop("return_lse", False))
     opts["causal"] = opts.get("causal", True)

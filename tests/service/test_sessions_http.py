@@ -327,6 +327,41 @@ def test_a_step_expiring_in_the_queue_lets_no_later_step_overtake_a_failing_one(
     assert http.delete(f"/sessions/{sid}").status_code == 204
 
 
+def test_a_step_handed_to_the_launcher_expires_at_its_deadline(http):
+    """A step whose deadline passes while it waits behind another session's long launch (handed to
+    the worker's launcher thread, staged behind it) is answered 504 at its deadline, not when the
+    long launch ends, and appends nothing; the long step is answered as usual."""
+    n = 12288
+    heavy = create(http)["session"]
+    step(http, heavy, rand(1, HQ, n, D, seed=1), rand(1, HKV, n, D, seed=2), rand(1, HKV, n, D, seed=3))
+    long_q = st.save({"q": rand(1, 8 * HQ, n, D, seed=4)})  # q-only: appends nothing, may run again
+    t0 = time.monotonic()
+    assert http.post(f"/sessions/{heavy}/attend", headers=ST, content=long_q).status_code == 200
+    run_s = time.monotonic() - t0
+    light = create(http)["session"]
+    one = st.save({"q": rand(1, HQ, 1, D, seed=5), "k": rand(1, HKV, 1, D, seed=6), "v": rand(1, HKV, 1, D, seed=7)})
+    done: list[tuple[str, int]] = []
+
+    def long_step():
+        with httpx.Client(base_url=http.base_url, timeout=120.0) as c:
+            done.append(("long", c.post(f"/sessions/{heavy}/attend", headers=ST, content=long_q).status_code))
+
+    thread = threading.Thread(target=long_step)
+    thread.start()
+    time.sleep(run_s / 4)  # the long launch runs
+    t0 = time.monotonic()
+    r = http.post(f"/sessions/{light}/attend", headers={**ST, "X-Request-Timeout-Ms": "50"}, content=one)
+    light_s = time.monotonic() - t0
+    done.append(("light", r.status_code))
+    thread.join()
+    assert done == [("light", 504), ("long", 200)], (done, run_s, r.text)
+    assert light_s < run_s / 2, (light_s, run_s)  # at its deadline (50 ms), not at the long launch's end
+    assert "nothing was appended" in r.json()["error"]["message"]
+    assert lengths(http, light) == [0] and lengths(http, heavy) == [n]
+    for sid in (heavy, light):
+        assert http.delete(f"/sessions/{sid}").status_code == 204
+
+
 def test_create_get_delete_and_errors(http):
     info = create(http, "seq:7", layers=3, hkv=1, d=40, dtype="bfloat16")
     assert info == {"session": "seq:7", "layers": 3, "num_kv_heads": 1, "head_dim": 40, "dtype": "bfloat16",

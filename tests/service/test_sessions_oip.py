@@ -99,6 +99,14 @@ def test_layers_layer_and_a_start_without_keys(server, native, kind):
     assert info["layers"] == 2 and info["lengths"] == [3, 3] and info["num_kv_heads"] == HKV
     with pytest.raises(InferenceServerException, match="out of range"):
         infer(mod, client, {"q": q}, sequence_id=seq, parameters={"layer": 2})
+    # parameters a step cannot honour are refused, not dropped: the kernel (steps run the paged
+    # kernels) and the layer count past the start
+    for parameters, words in (({"kernel": "flash"}, "no 'kernel'"), ({"kernel": "bogus"}, "no 'kernel'"),
+                              ({"layers": 3}, "sequence_start only")):
+        with pytest.raises(InferenceServerException, match=words) as e:
+            infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=seq, parameters=parameters)
+        assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), e.value.message()
+    assert native.get_session(str(seq))["lengths"] == [3, 3]
     # sequence_id 0 is no session: a plain (non-causal) attention call
     out = infer(mod, client, {"q": q, "k": k, "v": v}, sequence_id=0)
     torch.testing.assert_close(out["o"], native.attention(q, k, v), rtol=1e-5, atol=1e-5)
@@ -148,7 +156,8 @@ def test_sequence_parameters_that_name_no_sequence_are_refused(server):
              ({"sequence_start": True}, "needs a sequence_id"), ({"sequence_id": "", "sequence_start": True},
                                                                  "needs a sequence_id"),
              ({"sequence_id": 0, "sequence_end": True}, "needs a sequence_id"),
-             ({"sequence_id": 2**70, "sequence_start": True}, "past 64 bits; send such an id as a string")]
+             ({"sequence_id": 2**70, "sequence_start": True}, "past 64 bits; send such an id as a string"),
+             ({"sequence_id": -1, "sequence_start": True}, "must be an integer >= 0 or a string")]
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for params, words in cases:
             r = http.post("/v2/models/attention/infer", json={"inputs": inputs, "parameters": params})

@@ -203,7 +203,8 @@ def test_unsupported_cases_raise_and_leave_no_session(models, server, http):
                        (dict(layer_types=["full_attention", "chunked_attention"]), "layer types"),
                        (dict(sliding_window=-3), "sliding_window"),
                        (dict(sliding_window=0, layer_types=["full_attention", "sliding_attention"]), "sliding_window"),
-                       (dict(num_kv_shared_layers=1), "num_kv_shared_layers")):
+                       (dict(num_kv_shared_layers=1), "num_kv_shared_layers"),
+                       (dict(kv_lora_rank=16), "latent attention")):
         config = llama_config()
         for name, value in bad.items():
             setattr(config, name, value)
@@ -211,6 +212,33 @@ def test_unsupported_cases_raise_and_leave_no_session(models, server, http):
             SessionCache(http, config)
     with pytest.raises(NotImplementedError, match=r"not torch.float64: cast the model"):
         SessionCache(http, LlamaForCausalLM(llama_config()).double())
+    assert session_count(server) == 0
+
+
+def test_generate_modes_the_sessions_cannot_serve_fail_the_cache_first(models, server, http):
+    """use_cache=False (generate then feeds the whole sequence again each step, with the cache) raises
+    before a token reaches the server. Beam search (reorders the cache) and prompt lookup (crops it)
+    raise after a forward that sent tokens: the cache is left failed, so a retry on it raises instead
+    of generating over those tokens. A SessionCache cannot be deep-copied (transformers' prompt-reuse
+    recipe): a clear error."""
+    local, served = models
+    ids = prompt(9, seed=21)[None]
+    with SessionCache(http, served, batch_size=1) as cache:
+        with pytest.raises(NotImplementedError, match="use_cache=True"):
+            generate(served, ids, cache=cache, use_cache=False)
+        assert cache.sessions[0].info()["lengths"] == [0, 0]
+    for kwargs, error in ((dict(num_beams=2), NotImplementedError), (dict(prompt_lookup_num_tokens=3), ValueError)):
+        with SessionCache(http, served, batch_size=kwargs.get("num_beams", 1)) as cache:
+            with pytest.raises(error):
+                generate(served, torch.cat([ids, ids], 1), cache=cache, **kwargs)
+            assert cache._failed is not None, kwargs
+            with pytest.raises(RuntimeError, match="an earlier step failed"):
+                generate(served, ids.expand(cache.batch_size, -1), cache=cache)
+    with SessionCache(http, served, batch_size=1) as cache:
+        generate(served, ids, cache=cache)
+        with pytest.raises(NotImplementedError, match="cannot be copied"):
+            copy.deepcopy(cache)
+        assert copy.copy(cache).sessions == cache.sessions  # a shallow copy shares them, as DynamicCache's
     assert session_count(server) == 0
 
 
