@@ -10,6 +10,8 @@ Ragged and paged batches (docs/api.md#ragged-and-paged-batches): ``attention_var
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .dispatch import KERNELS, choose
@@ -97,8 +99,11 @@ def attention(
     the CPU path by PyTorch autograd. lse itself carries no gradient.
     """
     spec = check_inputs(q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths, window_size=window_size,
-                        softcap=softcap, alibi_slopes=alibi_slopes)
+                        softcap=softcap, alibi_slopes=alibi_slopes, allow_empty=True)
     impl = choose(spec, kernel)
+    if 0 in (spec.batch, spec.n_q, spec.n_k):  # no row, or rows that see no key: o = 0, lse = -inf
+        o = _Empty.apply(q, k, v)
+        return (o, torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)) if return_lse else o
     opts = dict(causal=spec.causal, scale=spec.scale, kv_lengths=kv_lengths)
     if spec.masks.active:  # a plain call passes what a plain backend takes
         opts["masks"] = spec.masks
@@ -110,6 +115,19 @@ def attention(
         o, lse = impl.forward(q, k, v, **opts)
     # lse carries no gradient (docs/api.md): the Triton path marks it so, PyTorch's autograd would not
     return (o, lse.detach()) if return_lse else o
+
+
+class _Empty(torch.autograd.Function):
+    """The answer of attention with no row or no key: zeros of q's shape; zero gradients."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = (q, k, v)
+        return torch.zeros_like(q)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(torch.zeros_like(t) for t in ctx.shapes)
 
 
 def freeze_autotuning(frozen: bool = True) -> None:

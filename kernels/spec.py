@@ -71,11 +71,13 @@ def check_inputs(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    allow_empty: bool = False,
 ) -> AttnSpec:
     """Validate q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D), kv_lengths (B,) int32/int64, causal and scale
     (``check_causal``, ``check_scale``) and the score modifiers (``masks.check_masks``; a window side
     no row's keys reach is dropped).
 
+    ``allow_empty``: B, Nq and Nk may be 0 (``attention`` answers those without a kernel).
     Raises a subclass of ``AttentionInputError`` whose message names the offending argument.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -100,9 +102,10 @@ def check_inputs(
         raise ShapeError(f"q has head dim {d} but k/v have head dim {dk}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise HeadDimError(f"head dim {d} is not supported; it must be between 1 and {MAX_HEAD_DIM}")
-    if b < 1 or hq < 1 or hkv < 1 or nq < 1 or nk < 1:
+    if hq < 1 or hkv < 1 or min(b, nq, nk) < (0 if allow_empty else 1):
         raise ShapeError(
-            f"every dim must be at least 1, got q {list(q.shape)}, k {list(k.shape)}"
+            f"every dim must be at least 1{' (B, Nq and Nk may be 0)' if allow_empty else ''}, "
+            f"got q {list(q.shape)}, k {list(k.shape)}"
         )
     if hq % hkv != 0:
         raise ShapeError(
@@ -122,7 +125,7 @@ def check_inputs(
         # The range is checked on the host only: reading it on a GPU would synchronise the device
         # on every call (the service checks requests on the host before they move). On a GPU the
         # kernels clamp instead: a length above Nk sees every key, a negative one sees none.
-        if kv_lengths.device.type == "cpu":
+        if kv_lengths.device.type == "cpu" and kv_lengths.numel():
             lo, hi = int(kv_lengths.min()), int(kv_lengths.max())
             if lo < 0 or hi > nk:
                 raise KVLengthsError(f"kv_lengths must lie in [0, {nk}] (Nk), got values in [{lo}, {hi}]")

@@ -3,6 +3,7 @@ every validation error, and the CPU path's memory bound."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -123,7 +124,7 @@ def _err(**overrides):
             kernels.HeadDimError,
             "256",
         ),
-        (_err(q=torch.randn(2, 4, 0, 16)), kernels.ShapeError, "at least 1"),
+        (_err(q=torch.randn(2, 0, 8, 16)), kernels.ShapeError, "at least 1"),
         (_err(kv_lengths=torch.tensor([1, 2, 3])), kernels.KVLengthsError, "shape [2]"),
         (_err(kv_lengths=torch.tensor([1.0, 2.0])), kernels.KVLengthsError, "int32"),
         (_err(kv_lengths=torch.tensor([1, 9])), kernels.KVLengthsError, "[0, 8]"),
@@ -138,6 +139,24 @@ def test_validation_errors(args, error, words, monkeypatch):
         kernels.attention(**args)
     assert words in str(info.value)
     assert isinstance(info.value, kernels.AttentionInputError)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "reference", "flash"])
+@pytest.mark.parametrize(("q_shape", "kv_shape"), [((0, 4, 5, 16), (0, 2, 7, 16)), ((2, 4, 0, 16), (2, 2, 7, 16)),
+                                                   ((2, 4, 5, 16), (2, 2, 0, 16)), ((0, 4, 0, 16), (0, 2, 0, 16))])
+def test_empty_batches_and_sequences(kernel, q_shape, kv_shape):
+    """B, Nq or Nk of 0, as torch's scaled_dot_product_attention takes them: o of q's shape, zeros
+    where rows see no key (Nk = 0) and lse -inf, as any keyless row; gradients of the inputs' shapes,
+    zero. Heads and head dim stay at least 1."""
+    q = torch.randn(*q_shape, requires_grad=True)
+    k, v = (torch.randn(*kv_shape, requires_grad=True) for _ in range(2))
+    lengths = torch.zeros(q_shape[0], dtype=torch.int32)
+    o, lse = kernels.attention(q, k, v, causal=True, return_lse=True, kernel=kernel, kv_lengths=lengths)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert torch.equal(o, torch.zeros_like(q)) and bool((lse == -math.inf).all())
+    o.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and not t.grad.any()
 
 
 def test_device_mismatch_is_refused():
