@@ -74,7 +74,11 @@ async def forward_grpc(settings: Any, target: int, method: str, request: Any, co
     metadata = [(k, v) for k, v in (context.invocation_metadata() or ()) if k != FORWARDED and not k.startswith(":")]
     metadata.append((FORWARDED, str(p.index)))
     try:
-        return await call(request, metadata=metadata, timeout=remaining_s(context))  # the hop's margin
+        # the call's deadline, else the server's default: a stalled owner must not hold the call forever
+        timeout = remaining_s(context)
+        if timeout is None:
+            timeout = settings.request_timeout_ms / 1000.0
+        return await call(request, metadata=metadata, timeout=timeout)  # (remaining_s keeps the hop's margin)
     except grpc.aio.AioRpcError as exc:
         raise owner_error(exc) from None
 

@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, size_text
+from service.sessions.routing import hop_deadline
 from service.settings import Settings
 
 T = TypeVar("T")
@@ -80,8 +81,10 @@ async def read_body(request: Request, limit: int, flag: str = "--max-body-mb") -
     return buf
 
 
-def deadline_from(header: str | None, settings: Settings, arrived: float) -> float:
-    """``X-Request-Timeout-Ms`` (else ``--request-timeout-ms``) -> a ``time.monotonic()`` deadline."""
+def deadline_from(header: str | None, settings: Settings, arrived: float, hop: str | None = None) -> float:
+    """``X-Request-Timeout-Ms`` (else ``--request-timeout-ms``) -> a ``time.monotonic()`` deadline;
+    the earlier of it and ``hop``, the deadline another process forwarded the call with
+    (``routing.HOP_DEADLINE``)."""
     ms: float = settings.request_timeout_ms
     if header is not None:
         # a decimal number: float() also takes "1_000", "1e3", "0x" forms a client did not mean
@@ -91,7 +94,9 @@ def deadline_from(header: str | None, settings: Settings, arrived: float) -> flo
                 f"X-Request-Timeout-Ms must be a non-negative decimal number of milliseconds (digits and "
                 f"one '.', e.g. 1000 or 2.5), got {header!r}"
             )
-    return arrived + ms / 1000.0
+    deadline = arrived + ms / 1000.0
+    forwarded = hop_deadline(hop)
+    return deadline if forwarded is None else min(deadline, forwarded)
 
 
 def worth_offloading(body_bytes: int, json_bytes: int) -> bool:

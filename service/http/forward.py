@@ -13,13 +13,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
-from service.errors import InvalidInput, ServiceError
-from service.sessions.routing import FORWARDED, UNION_PART, owners_of, peers_of, single_owner
+from service.errors import BadRequest, InvalidInput, ServiceError
+from service.http.body import deadline_from
+from service.sessions.routing import (
+    FORWARDED,
+    HOP_DEADLINE,
+    HOP_GRACE_S,
+    UNION_PART,
+    owners_of,
+    peers_of,
+    single_owner,
+)
 
 PEER_AUTHORITY = "attnserve-peer"
 
@@ -36,6 +46,12 @@ def _error(status: int, code: str, message: str) -> tuple[int, list[tuple[bytes,
 
 class _ClientGone(ConnectionResetError):
     """The client hung up: nobody reads an answer."""
+
+
+class _NoAnswer(Exception):
+    def __init__(self, process: int, error: Exception):
+        super().__init__(process, error)
+        self.process, self.error = process, error
 
 
 class _Body:
@@ -160,7 +176,7 @@ class HTTPRouter:
     """ASGI wrapper: session calls for another process go there over its private socket."""
 
     def __init__(self, app: Any, settings: Any):
-        self.app, self.peers = app, peers_of(settings)
+        self.app, self.peers, self.settings = app, peers_of(settings), settings
         self.json_limit = getattr(settings, "max_json_bytes", 64 << 20)
         self._clients: dict[int, Any] = {}
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per forwarded call
@@ -239,9 +255,22 @@ class HTTPRouter:
         for c in clients:
             await c.aclose()
 
-    def _request_headers(self, scope: dict) -> list[tuple[bytes, bytes]]:
-        out = [(k, v) for k, v in scope.get("headers") or () if k not in HOP_BY_HOP and k != b"host"]
+    def _deadline(self, scope: dict) -> float | None:
+        """The call's deadline (``X-Request-Timeout-Ms``, else ``--request-timeout-ms``) as a
+        ``time.monotonic()`` instant; None for a header the owner refuses (it says why)."""
+        header = dict(scope.get("headers") or ()).get(b"x-request-timeout-ms")
+        try:
+            return deadline_from(None if header is None else header.decode("latin-1"), self.settings,
+                                 time.monotonic())
+        except BadRequest:
+            return None
+
+    def _request_headers(self, scope: dict, deadline: float | None = None) -> list[tuple[bytes, bytes]]:
+        drop = HOP_BY_HOP | {b"host", HOP_DEADLINE.encode()}
+        out = [(k, v) for k, v in scope.get("headers") or () if k not in drop]
         out.append((FORWARDED.encode(), str(self.peers.index).encode()))
+        if deadline is not None:
+            out.append((HOP_DEADLINE.encode(), repr(deadline).encode()))
         return out
 
     async def _forward(self, target: int, scope: dict, body: _Body, send) -> None:
@@ -251,20 +280,30 @@ class HTTPRouter:
         if scope.get("query_string"):
             url += b"?" + scope["query_string"]
         has_body = scope["method"] in ("POST", "PUT", "PATCH")
+        deadline = self._deadline(scope)
         request = self.client(target).build_request(
-            scope["method"], url.decode("latin-1"), headers=self._request_headers(scope),
+            scope["method"], url.decode("latin-1"), headers=self._request_headers(scope, deadline),
             content=body.chunks() if has_body else None,
         )
         sending = asyncio.ensure_future(self.client(target).send(request, stream=True))
         gone = asyncio.ensure_future(body.gone()) if has_body else None
+        # the owner answers 504 itself at the deadline (it never launches a step past it, and undoes
+        # one that ends past it); one that stays silent (stalled) gets HOP_GRACE_S more
+        wait_s = None if deadline is None else max(0.0, deadline - time.monotonic()) + HOP_GRACE_S
         try:
             # a client that hangs up while the owner holds its call: the upstream connection is closed,
             # so the owner sees it go too (a queued step is then withdrawn, never appended)
-            await asyncio.wait([t for t in (sending, gone) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([t for t in (sending, gone) if t is not None], timeout=wait_s,
+                               return_when=asyncio.FIRST_COMPLETED)
             if not sending.done():
                 sending.cancel()
                 with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, _ClientGone):
                     await sending
+                if gone is None or not gone.done():  # the deadline passed: the client is still there
+                    await self._send(send, _error(
+                        504, "deadline_exceeded", f"process {target} of {self.peers.count}, which holds this "
+                        "session, did not answer by the call's deadline; it never launches a step past its "
+                        "deadline and undoes one that ends past it"))
                 return
             answer = sending.result()
         except httpx.HTTPError as exc:
@@ -293,17 +332,26 @@ class HTTPRouter:
         """``GET /sessions`` of every process, summed; the first answer that is not a 200 is the answer."""
         import httpx
 
-        headers = self._request_headers(scope)
+        deadline = self._deadline(scope)
+        headers = self._request_headers(scope, deadline)
         # the others' parts are marked: the client's one call is counted once, by this process's part
         part = [(k, v + UNION_PART.encode() if k == FORWARDED.encode() else v) for k, v in headers]
+        # a process that does not answer by the deadline (stalled) must not hold the listing longer
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
 
         async def one(i: int):
-            return await self.client(i).get("/sessions", headers=headers if i == self.peers.index else part)
+            try:
+                return await self.client(i).get("/sessions", headers=headers if i == self.peers.index else part,
+                                                timeout=httpx.Timeout(timeout, connect=10.0))
+            except httpx.HTTPError as exc:
+                raise _NoAnswer(i, exc) from None
 
         try:
             answers = await asyncio.gather(*(one(i) for i in range(self.peers.count)))
-        except httpx.HTTPError as exc:
-            return await self._send(send, _error(503, "unavailable", f"a process did not answer: {exc}; retry"))
+        except _NoAnswer as exc:
+            return await self._send(send, _error(
+                503, "unavailable", f"process {exc.process} of {self.peers.count} did not answer "
+                f"({type(exc.error).__name__}: {exc.error}); retry"))
         for a in answers:
             if a.status_code != 200:
                 keep = [(k.lower(), v) for k, v in a.headers.raw if k.lower() not in DROP_FROM_ANSWER]

@@ -24,6 +24,7 @@ from service.http import body
 from service.http.disconnect import unless_gone
 from service.http.json_tensors import flat_tensor, parse_json
 from service.http.openapi import OIP_INFER_OPENAPI
+from service.sessions.routing import HOP_DEADLINE
 from service.settings import Settings
 from service.wire import oip
 from service.wire.options import parse_bool
@@ -248,7 +249,8 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
     @router.post("/models/{model}/versions/{version}/infer", include_in_schema=False, response_class=Response)
     async def infer(model: str, request: Request) -> Response:
         arrived = time.monotonic()
-        deadline = body.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived)
+        deadline = body.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived,
+                                      request.headers.get(HOP_DEADLINE))
         spec = find(request)
         data = await body.read_body(request, settings.max_body_bytes)
         json_bytes = len(data)  # the JSON part: all of it, unless binary tensor data follows it

@@ -32,6 +32,7 @@ from service.http.json_tensors import json_tensor
 from service.http.openapi import CREATE_SESSION_OPENAPI, PACKED_STEP_OPENAPI, STEP_OPENAPI
 from service.http.routes import DirectRoute
 from service.sessions import SessionStep
+from service.sessions.routing import HOP_DEADLINE
 from service.settings import Settings
 from service.wire.options import parse_bool, parse_layer, parse_options
 from service.wire.tensors import ServerTiming
@@ -122,7 +123,8 @@ def create_router(engine: Any, settings: Settings) -> APIRouter:
         arrived = time.monotonic()
         ids = {
             "request_id": request.state.request_id,
-            "deadline": http_body.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived),
+            "deadline": http_body.deadline_from(request.headers.get("x-request-timeout-ms"), settings, arrived,
+                                                request.headers.get(HOP_DEADLINE)),
             "arrived": arrived,
         }
         mtype = http_body.media_type(request)

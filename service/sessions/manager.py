@@ -96,8 +96,8 @@ class SessionTable:
     def add(self, s: Session) -> None:
         if len(self.sessions) >= self.max_sessions:
             raise InsufficientStorage(
-                f"the server holds {len(self.sessions)} sessions (--max-sessions {self.max_sessions}); "
-                "0 more can be created until some end"
+                f"this process holds {len(self.sessions)} sessions (--max-sessions {self.max_sessions}, a limit "
+                "of each process under --processes); 0 more can be created here until some end"
             )
         self.sessions[s.id] = s
         self.per_worker[s.worker] += 1

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import socket
 import uuid
@@ -47,6 +48,20 @@ from service.errors import InvalidInput
 
 FORWARDED = "x-attnserve-forwarded"
 UNION_PART = ":union-part"  # ends FORWARDED's value on the other processes' parts of a GET /sessions
+# A forwarded call's deadline as the accepting process set it: a time.monotonic() instant (Linux's
+# CLOCK_MONOTONIC, one clock for every process of the host). The owner keeps the earlier of it and
+# its own, so a call it reads late (it was stalled) is not given a fresh deadline.
+HOP_DEADLINE = "x-attnserve-deadline"
+HOP_GRACE_S = 1.0  # the accepting process waits this long past the deadline for the owner's own answer
+
+
+def hop_deadline(value: str | bytes | None) -> float | None:
+    """HOP_DEADLINE's value -> the instant; None when absent or not a finite number."""
+    try:
+        t = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return t if math.isfinite(t) else None
 
 
 def owner(session: str, processes: int) -> int:

@@ -310,3 +310,64 @@ def test_a_client_that_hangs_up_on_a_forwarded_call_harms_nothing(server):
         assert call("DELETE", f"{server.url}/sessions/{sid}").status_code == 204
     log = Path(server.log_path).read_text(errors="replace")
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{process index: pid} of the supervisor ``pid``'s serving processes (their ``--peers i/N@...``)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if int(stat[1]) == pid and "--peers" in args:
+            found[int(args[args.index("--peers") + 1].split("/")[0])] = int(entry.name)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="--processes")
+def test_a_forwarded_call_to_a_stalled_process_ends_at_its_deadline(server):
+    """The process holding a session stops answering (SIGSTOP) while another process forwards calls
+    to it: the step gets 504 at its deadline (plus the hop's grace), not when the owner wakes, and
+    the owner, once awake, does not run it (it keeps the deadline the call was forwarded with);
+    GET /sessions answers 503 naming the silent process; gRPC without a client deadline ends at the
+    server's. After the stall everything is served again."""
+    import signal
+
+    kids = _children(server.proc.pid)
+    assert sorted(kids) == [0, 1], kids
+    sid = next(f"stall{i}" for i in range(100) if routing.owner(f"stall{i}", 2) == 1)
+    assert call("POST", f"{server.url}/sessions", json={"session": sid, "num_kv_heads": 2, "head_dim": 16,
+                                                        "dtype": "float32"}).status_code == 201
+    front = None
+    for _ in range(200):  # a connection that process 0 accepted: it forwards the session's calls
+        c = httpx.Client(base_url=server.url, timeout=30)
+        if c.get(f"/sessions/{sid}").headers.get(routing.FORWARDED) == "0->1":
+            front = c
+            break
+        c.close()
+    assert front is not None, "no connection landed on process 0"
+    q, k, v = rand(1, 4, 1, 16, seed=1), rand(1, 2, 1, 16, seed=2), rand(1, 2, 1, 16, seed=3)
+    body = st.save({"q": q, "k": k, "v": v})
+    deadline = {"X-Request-Timeout-Ms": "300"}
+    os.kill(kids[1], signal.SIGSTOP)
+    try:  # (one keep-alive connection: every call lands on process 0, never on the stopped one)
+        t0 = time.monotonic()
+        r = front.post(f"/sessions/{sid}/attend", content=body, headers={**ST, **deadline})
+        took = time.monotonic() - t0
+        listing = front.get("/sessions", headers=deadline)
+    finally:
+        os.kill(kids[1], signal.SIGCONT)
+    assert r.status_code == 504 and "did not answer by the call's deadline" in r.text, r.text
+    assert took < routing.HOP_GRACE_S + 2.0, took  # at the deadline and its grace, whatever the stall
+    assert listing.status_code == 503 and "process 1 of 2 did not answer" in listing.text, listing.text
+    time.sleep(0.5)  # the woken owner reads the forwarded step: past its deadline, never launched
+    assert call("GET", f"{server.url}/sessions/{sid}").json()["lengths"] == [0]
+    r = front.post(f"/sessions/{sid}/attend", content=body, headers=ST)
+    assert r.status_code == 200, r.text
+    assert call("GET", f"{server.url}/sessions/{sid}").json()["lengths"] == [1]
+    front.close()
+    assert call("DELETE", f"{server.url}/sessions/{sid}").status_code == 204
