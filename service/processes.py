@@ -24,8 +24,10 @@ connection stays on one process: spread load over several connections.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -121,8 +123,9 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
             listener.close()
         log.error("cannot bind gRPC %s:%d: %s", settings.host, settings.grpc_port, reason)
         return 1
-    metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
-    peers_dir = tempfile.mkdtemp(prefix="attnserve-peers-")  # 0700: each process's private sockets
+    sweep_stale_folders()
+    metrics_dir = tempfile.mkdtemp(prefix=f"attnserve-metrics-{os.getpid()}-")
+    peers_dir = tempfile.mkdtemp(prefix=f"attnserve-peers-{os.getpid()}-")  # 0700: each process's private sockets
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     if all(s == "cpu" for s in shares) and "OMP_NUM_THREADS" not in env:
         # CPU workers compute with torch's thread pool: N pools of every core would oversubscribe
@@ -177,6 +180,28 @@ def supervise(settings: Settings, argv: Sequence[str], processes: int) -> int:
             listener.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shutil.rmtree(peers_dir, ignore_errors=True)
+
+
+_FOLDER = re.compile(r"attnserve-(?:metrics|peers)-(\d+)-")
+
+
+def sweep_stale_folders() -> None:
+    """Remove the metrics and peers folders of supervisors that are gone: one killed by SIGKILL
+    could not remove its own (its processes exit, the folders stay). Only this user's folders whose
+    supervisor's pid runs no process are taken."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            m = _FOLDER.match(name)
+            path = os.path.join(root, name)
+            if m is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(path, ignore_errors=True)
+            except OSError:  # (a process of another user has the pid: not ours to judge)
+                pass
 
 
 def _process_dead(pid: int, metrics_dir: str) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -165,17 +167,29 @@ def test_a_process_that_dies_stops_the_others(tmp_path):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_processes_stop_when_their_supervisor_is_killed(tmp_path):
     """SIGKILL of the supervisor (no chance to forward anything): its processes get SIGTERM from
-    the kernel and exit (they once kept serving the ports, and a restart could not bind them)."""
-    with run_server(tmp_path, "--processes", "2", "--warmup-shapes", "1x1x8x8") as srv:
-        workers = children(srv.proc.pid)
-        assert len(workers) == 2, srv.log()
-        os.kill(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait(timeout=10)
-        deadline = time.monotonic() + 60
-        while any(alive(p) for p in workers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(alive(p) for p in workers), srv.log()
-
+    the kernel and exit (they once kept serving the ports, and a restart could not bind them). Its
+    private folders stay; the next supervisor on the host removes them."""
+    tmp = tempfile.mkdtemp(prefix="as-")  # short: the peers' socket paths must fit AF_UNIX's 108 bytes
+    try:
+        with run_server(tmp_path, "--processes", "2", "--warmup-shapes", "1x1x8x8", env={"TMPDIR": tmp}) as srv:
+            workers = children(srv.proc.pid)
+            assert len(workers) == 2, srv.log()
+            os.kill(srv.proc.pid, signal.SIGKILL)
+            srv.proc.wait(timeout=10)
+            deadline = time.monotonic() + 60
+            while any(alive(p) for p in workers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not any(alive(p) for p in workers), srv.log()
+        ours = ("attnserve-metrics-", "attnserve-peers-")
+        assert len([f for f in os.listdir(tmp) if f.startswith(ours)]) == 2  # the supervisor could not remove them
+        # the next supervisor removes those of supervisors that are gone, not a live one's (this process's)
+        live = os.path.basename(tempfile.mkdtemp(prefix=f"attnserve-peers-{os.getpid()}-", dir=tmp))
+        with run_server(tmp_path, "--processes", "2", "--warmup-shapes", "1x1x8x8", env={"TMPDIR": tmp}) as srv:
+            found = sorted(f for f in os.listdir(tmp) if f.startswith(ours))
+            new = sorted(f for f in found if f"-{srv.proc.pid}-" in f)
+            assert len(new) == 2 and found == sorted([live, *new]), found
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for its reaper is not)."""
