@@ -49,6 +49,8 @@ class _ClientGone(ConnectionResetError):
 
 
 class _NoAnswer(Exception):
+    """Process ``process`` gave no answer to its part of a GET /sessions (``error`` says how)."""
+
     def __init__(self, process: int, error: Exception):
         super().__init__(process, error)
         self.process, self.error = process, error
