@@ -37,6 +37,7 @@ This module imports transformers; ``service.client`` does not import this module
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import uuid
 import weakref
@@ -240,9 +241,10 @@ class SessionCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        """False. transformers asks before it would drop tokens (assisted decoding, prompt lookup),
-        after a forward that sent its draft tokens to the sessions: the cache is unusable from then on."""
-        if any(layer.length for layer in self.layers):
+        """False. Assisted decoding and prompt lookup (transformers' ``_assisted_decoding``) ask after
+        a forward that sent their draft tokens to the sessions: the cache is unusable from then on.
+        Other readers (greedy decoding on mps asks too) leave it usable."""
+        if sys._getframe(1).f_code.co_name == "_assisted_decoding" and any(layer.length for layer in self.layers):
             self._failed = self._failed or NotImplementedError(
                 "assisted decoding and prompt lookup drop draft tokens from the cache (crop), which a SessionCache "
                 "cannot: its sessions now hold them")

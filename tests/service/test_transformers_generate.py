@@ -236,6 +236,7 @@ def test_generate_modes_the_sessions_cannot_serve_fail_the_cache_first(models, s
                 generate(served, ids.expand(cache.batch_size, -1), cache=cache)
     with SessionCache(http, served, batch_size=1) as cache:
         generate(served, ids, cache=cache)
+        assert cache.is_croppable is False and cache._failed is None  # asked outside assisted decoding (mps)
         with pytest.raises(NotImplementedError, match="cannot be copied"):
             copy.deepcopy(cache)
         assert copy.copy(cache).sessions == cache.sessions  # a shallow copy shares them, as DynamicCache's
