@@ -56,6 +56,8 @@ def step_options(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def _session_ids(value: Any) -> list[str]:
     if isinstance(value, str):
+        if not value.strip():
+            raise BadRequest("'sessions' is empty: a step names at least one session (comma-separated ids)")
         ids = [s.strip() for s in value.split(",")]
         if "" in ids:
             raise BadRequest(f"'sessions' holds an empty id (position {ids.index('')}, zero-based): give "

@@ -273,6 +273,8 @@ def test_a_failed_step_appends_nothing(http):
     for params in ({"sessions": f"{sid},,{sid}"}, {"sessions": f",{sid}"}):
         r = http.post("/sessions/attend", params=params, json={"q": q[:1].tolist(), "q_lengths": [1]})
         assert r.status_code == 400 and "empty id" in r.json()["error"]["message"], (params, r.text)
+    r = http.post("/sessions/attend", params={"sessions": " "}, json={"q": q[:1].tolist(), "q_lengths": [1]})
+    assert r.status_code == 400 and "names at least one session" in r.json()["error"]["message"], r.text
     r = http.post(f"/sessions/{sid}/attend", params=[("causal", "true"), ("causal", "false")], headers=ST,
                   content=st.save({"q": rand(1, HQ, 2, D, seed=4)}))
     assert r.status_code == 400 and "'causal' is given twice" in r.json()["error"]["message"], r.text
