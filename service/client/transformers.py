@@ -170,7 +170,8 @@ class SessionLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
-            raise NotImplementedError("a SessionCache cannot repeat its rows (num_return_sequences > 1 or beams)")
+            raise NotImplementedError("a SessionCache cannot repeat its rows (num_return_sequences > 1 or beams): "
+                                      "make it for the prompts' rows times n")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("a SessionCache cannot select rows")
@@ -250,27 +251,27 @@ class SessionCache(Cache):
                 "cannot: its sessions now hold them")
         return False
 
-    def _refuse(self, exc: BaseException) -> None:
-        """Raise ``exc`` for a cache operation the sessions cannot do, leaving the cache unusable:
-        the forward before it has already sent its tokens (beam search reorders after the prompt)."""
-        self._failed = self._failed or exc
-        raise exc
+    def _refusing(self, operation: Any, *args: Any) -> None:
+        """Run a cache operation of transformers' (its layers raise for what the sessions cannot do),
+        leaving the cache unusable when it raises: the forward before it has already sent its
+        tokens (beam search reorders after the prompt)."""
+        try:
+            operation(*args)
+        except NotImplementedError as exc:
+            self._failed = self._failed or exc
+            raise
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._refuse(NotImplementedError("a SessionCache cannot reorder its rows: beam search is not supported"))
+        self._refusing(super().reorder_cache, beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            self._refuse(NotImplementedError("a SessionCache cannot drop tokens (crop): the server's sessions only "
-                                             "grow; assisted decoding is not supported"))
+        self._refusing(super().crop, tokens_to_remove)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            self._refuse(NotImplementedError("a SessionCache cannot repeat its rows (num_return_sequences > 1 or "
-                                             "beams): make it for the prompts' rows times n"))
+        self._refusing(super().batch_repeat_interleave, repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._refuse(NotImplementedError("a SessionCache cannot select rows"))
+        self._refusing(super().batch_select_indices, indices)
 
     def __deepcopy__(self, memo: dict) -> SessionCache:
         raise NotImplementedError("a SessionCache cannot be copied: its keys and values live in server sessions, "

@@ -253,4 +253,3 @@ def worker_names(devices: list[torch.device]) -> list[str]:
 
 
 __all__ = ["Engine"]
-
